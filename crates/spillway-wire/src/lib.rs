@@ -1,0 +1,18 @@
+//! Provider wire formats, pure: the three request shapes the gateway accepts, the error
+//! bodies it answers with (A3), SSE framing (H1), usage blocks (M2) and the normalised
+//! signal an upstream outcome becomes (E1). No I/O happens here, so every function can be
+//! table-tested and fed arbitrary bytes without a server.
+
+pub mod error_body;
+pub mod format;
+pub mod request;
+pub mod signal;
+pub mod sse;
+pub mod usage;
+
+pub use error_body::{ErrorKind, error_body};
+pub use format::Format;
+pub use request::{ParsedRequest, RequestError, parse_request};
+pub use signal::{ErrorClass, Signal, parse_retry_after};
+pub use sse::{SseEvent, SseParser};
+pub use usage::Usage;

@@ -1,0 +1,264 @@
+//! Request validation at ingress (A5): just enough of each provider's request shape to
+//! route it and to refuse what the provider would refuse anyway, naming the field. The
+//! body itself is forwarded byte for byte; nothing here re-serialises it.
+
+use crate::Format;
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+
+/// What the gateway needs to know about a valid request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParsedRequest {
+    pub model: String,
+    pub stream: bool,
+    /// OpenAI only: `stream_options.include_usage`, without which a stream carries no usage.
+    pub include_usage: bool,
+    /// Output cap the client asked for, if any (M3 estimates cost from it).
+    pub max_output_tokens: Option<u64>,
+    /// Rough input size in tokens (bytes / 4) until a tokenizer-based estimate lands.
+    pub estimated_input_tokens: u64,
+}
+
+/// A request the gateway refuses with 400. `field` is the JSON path of the culprit.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}", self.render())]
+pub struct RequestError {
+    pub field: Option<String>,
+    pub message: String,
+}
+
+impl RequestError {
+    fn render(&self) -> String {
+        match &self.field {
+            Some(f) => format!("Invalid request: `{f}`: {}", self.message),
+            None => format!("Invalid request: {}", self.message),
+        }
+    }
+    fn new(field: Option<&str>, message: impl Into<String>) -> Self {
+        RequestError { field: field.map(str::to_owned), message: message.into() }
+    }
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct OpenAiChat {
+    model: String,
+    messages: Vec<IgnoredAny>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct AnthropicMessages {
+    model: String,
+    messages: Vec<IgnoredAny>,
+    max_tokens: u64,
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct GenerationConfig {
+    #[serde(default, rename = "maxOutputTokens")]
+    max_output_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct GeminiGenerate {
+    contents: Vec<IgnoredAny>,
+    #[serde(default, rename = "generationConfig")]
+    generation_config: Option<GenerationConfig>,
+}
+
+fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, RequestError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let msg = inner.to_string();
+        // serde reports a missing field at its parent's path; name the field itself.
+        if let Some(rest) = msg.strip_prefix("missing field `") {
+            let name = rest.split('`').next().unwrap_or_default();
+            let field = if path == "." { name.to_owned() } else { format!("{path}.{name}") };
+            return RequestError::new(Some(&field), "is required");
+        }
+        if inner.is_syntax() || inner.is_eof() {
+            return RequestError::new(None, format!("body is not valid JSON ({msg})"));
+        }
+        let field = if path == "." { None } else { Some(path.as_str()) };
+        // Drop serde's "at line 1 column 9" suffix: the field path says more.
+        let msg = msg.split(" at line ").next().unwrap_or(&msg).to_owned();
+        RequestError::new(field, msg)
+    })
+}
+
+fn require_object(body: &[u8]) -> Result<(), RequestError> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    match first {
+        Some(b'{') => Ok(()),
+        None => Err(RequestError::new(None, "body is empty; expected a JSON object")),
+        Some(_) => Err(RequestError::new(None, "body must be a JSON object")),
+    }
+}
+
+fn non_empty(field: &str, len: usize) -> Result<(), RequestError> {
+    if len == 0 {
+        Err(RequestError::new(Some(field), "must contain at least one item"))
+    } else {
+        Ok(())
+    }
+}
+
+/// Whether `model` is a plausible model name: what goes into an upstream URL path (Gemini)
+/// must not smuggle path segments or queries.
+pub fn valid_model_name(model: &str) -> bool {
+    !model.is_empty()
+        && model.len() <= 256
+        && model.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._@:/".contains(&b))
+        && !model.contains("..")
+}
+
+/// Validates a request body of `format`. For Gemini the model and the streaming flag come
+/// from the URL, so the caller passes them.
+pub fn parse_request(
+    format: Format,
+    path_model: Option<&str>,
+    path_stream: bool,
+    body: &[u8],
+) -> Result<ParsedRequest, RequestError> {
+    require_object(body)?;
+    let estimated_input_tokens = (body.len() as u64).div_ceil(4);
+    let parsed = match format {
+        Format::OpenAi => {
+            let r: OpenAiChat = decode(body)?;
+            non_empty("messages", r.messages.len())?;
+            ParsedRequest {
+                model: r.model,
+                stream: r.stream.unwrap_or(false),
+                include_usage: r.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+                max_output_tokens: r.max_completion_tokens.or(r.max_tokens),
+                estimated_input_tokens,
+            }
+        }
+        Format::Anthropic => {
+            let r: AnthropicMessages = decode(body)?;
+            non_empty("messages", r.messages.len())?;
+            if r.max_tokens == 0 {
+                return Err(RequestError::new(Some("max_tokens"), "must be at least 1"));
+            }
+            ParsedRequest {
+                model: r.model,
+                stream: r.stream.unwrap_or(false),
+                include_usage: true,
+                max_output_tokens: Some(r.max_tokens),
+                estimated_input_tokens,
+            }
+        }
+        Format::Gemini => {
+            let r: GeminiGenerate = decode(body)?;
+            non_empty("contents", r.contents.len())?;
+            ParsedRequest {
+                model: path_model.unwrap_or_default().to_owned(),
+                stream: path_stream,
+                include_usage: true,
+                max_output_tokens: r.generation_config.and_then(|g| g.max_output_tokens),
+                estimated_input_tokens,
+            }
+        }
+    };
+    if !valid_model_name(&parsed.model) {
+        return Err(RequestError::new(Some("model"), "must be a non-empty model name"));
+    }
+    Ok(parsed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(format: Format, body: &str) -> RequestError {
+        parse_request(format, Some("gemini-2.5-flash"), false, body.as_bytes()).unwrap_err()
+    }
+
+    #[test]
+    fn a5_valid_requests_parse() {
+        // spec: A5
+        let r = parse_request(Format::OpenAi, None, false,
+            br#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":5}"#).unwrap();
+        assert_eq!(r.model, "gpt-4o-mini");
+        assert!(r.stream && r.include_usage);
+        assert_eq!(r.max_output_tokens, Some(5));
+        let r = parse_request(Format::Anthropic, None, false,
+            br#"{"model":"claude-haiku-4-5","max_tokens":10,"messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        assert!(!r.stream);
+        let r = parse_request(Format::Gemini, Some("gemini-2.5-flash"), true,
+            br#"{"contents":[{"parts":[{"text":"hi"}]}]}"#).unwrap();
+        assert_eq!(r.model, "gemini-2.5-flash");
+        assert!(r.stream);
+    }
+
+    #[test]
+    fn a5_wrong_types_name_the_field() {
+        // spec: A5
+        let e = err(Format::OpenAi, r#"{"model":"m","messages":"hi"}"#);
+        assert_eq!(e.field.as_deref(), Some("messages"));
+        let e = err(Format::OpenAi, r#"{"model":5,"messages":[]}"#);
+        assert_eq!(e.field.as_deref(), Some("model"));
+        let e = err(Format::OpenAi, r#"{"model":"m","messages":[{}],"stream":"yes"}"#);
+        assert_eq!(e.field.as_deref(), Some("stream"));
+        let e = err(Format::Anthropic, r#"{"model":"m","messages":[{}]}"#);
+        assert_eq!(e.field.as_deref(), Some("max_tokens"));
+        assert_eq!(e.message, "is required");
+        let e = err(Format::Gemini, r#"{"contents":{}}"#);
+        assert_eq!(e.field.as_deref(), Some("contents"));
+        let e = err(Format::OpenAi, r#"{"model":"m","messages":[]}"#);
+        assert_eq!(e.field.as_deref(), Some("messages"));
+        let e = err(Format::OpenAi, r#"{"model":"m","messages":[{}],"stream_options":{"include_usage":1}}"#);
+        assert_eq!(e.field.as_deref(), Some("stream_options.include_usage"));
+    }
+
+    #[test]
+    fn a5_malformed_json_is_refused() {
+        // spec: A5
+        for body in ["", "{", "[1]", "null", "{\"model\":}", "\u{0}"] {
+            let e = err(Format::OpenAi, body);
+            assert!(e.field.is_none(), "{body}: {e:?}");
+            assert!(e.to_string().starts_with("Invalid request"));
+        }
+    }
+
+    #[test]
+    fn model_names_cannot_smuggle_paths() {
+        assert!(valid_model_name("gemini-2.5-flash"));
+        assert!(valid_model_name("models/gemini-2.5-flash"));
+        assert!(!valid_model_name("../admin"));
+        assert!(!valid_model_name("a?b"));
+        assert!(!valid_model_name(""));
+    }
+
+    #[test]
+    fn no_input_panics() {
+        // Cheap exhaustive-ish sweep: every prefix of valid bodies and some byte noise.
+        let valid = br#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
+        for f in Format::ALL {
+            for i in 0..=valid.len() {
+                let _ = parse_request(f, Some("m"), false, &valid[..i]);
+            }
+            for seed in 0u32..500 {
+                let noise: Vec<u8> = (0..(seed % 40)).map(|i| (seed.wrapping_mul(2654435761).wrapping_add(i * 97) >> 3) as u8).collect();
+                let _ = parse_request(f, Some("m"), false, &noise);
+            }
+        }
+    }
+}

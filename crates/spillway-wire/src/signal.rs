@@ -1,0 +1,463 @@
+//! The normalised signal an upstream outcome becomes (E1), and its class (E2). Pure
+//! functions over status, headers and body: the engine's retry and health decisions read
+//! only this, never a provider's raw shapes.
+
+use crate::Format;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The E2 class of an outcome, which decides what happens next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// 2xx: nothing went wrong.
+    Success,
+    /// 429 pacing: requests or tokens per minute.
+    RateLimit,
+    /// Quota, billing, spend or daily limit: not transient on this channel.
+    Quota,
+    /// 503, Anthropic 529 `overloaded_error`.
+    Overload,
+    /// 500, 502, 504 and other 5xx.
+    ServerError,
+    /// 408, 409, 425: the provider asks to try again.
+    Transient,
+    /// The attempt ran out of time.
+    Timeout,
+    /// Connection refused, reset, DNS: no answer from the channel.
+    Unreachable,
+    /// 401/403 on a channel: its credential is wrong.
+    Auth,
+    /// 400, 404, 413, 422: the request itself is wrong.
+    InvalidRequest,
+    /// The stream broke off (before or after its first token).
+    StreamInterrupted,
+    /// A 2xx whose body is not the provider's shape.
+    MalformedResponse,
+    /// Anything else: never retried blindly.
+    Unknown,
+}
+
+impl ErrorClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorClass::Success => "success",
+            ErrorClass::RateLimit => "rate_limit",
+            ErrorClass::Quota => "quota",
+            ErrorClass::Overload => "overload",
+            ErrorClass::ServerError => "server_error",
+            ErrorClass::Transient => "transient",
+            ErrorClass::Timeout => "timeout",
+            ErrorClass::Unreachable => "unreachable",
+            ErrorClass::Auth => "auth",
+            ErrorClass::InvalidRequest => "invalid_request",
+            ErrorClass::StreamInterrupted => "stream_interrupted",
+            ErrorClass::MalformedResponse => "malformed_response",
+            ErrorClass::Unknown => "unknown",
+        }
+    }
+}
+
+/// Which limit a rate or quota signal is about (E1 `limit_dimension`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LimitDimension {
+    Requests,
+    InputTokens,
+    OutputTokens,
+    Tokens,
+    RequestsPerDay,
+    Spend,
+}
+
+/// Where the failure sits relative to what the client has already seen (E1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Visibility {
+    BeforeFirstToken,
+    AfterPartialOutput,
+    BackgroundOnly,
+}
+
+/// One upstream outcome, normalised (E1). `route_key` is added by the engine, which knows
+/// the route; everything here comes from the wire.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Signal {
+    pub class: ErrorClass,
+    pub http_status: Option<u16>,
+    pub provider_error_type: Option<String>,
+    pub message: Option<String>,
+    pub retry_after_ms: Option<u64>,
+    pub limit_dimension: Option<LimitDimension>,
+    pub visibility: Visibility,
+}
+
+impl Signal {
+    pub fn transport(class: ErrorClass, message: impl Into<String>) -> Signal {
+        Signal {
+            class,
+            http_status: None,
+            provider_error_type: None,
+            message: Some(message.into()),
+            retry_after_ms: None,
+            limit_dimension: None,
+            visibility: Visibility::BeforeFirstToken,
+        }
+    }
+}
+
+/// `Retry-After` as delta-seconds or an HTTP date (RFC 9110), in milliseconds from `now`.
+/// A date in the past means "now" (0).
+pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<u64> {
+    let v = value.trim();
+    if let Ok(secs) = v.parse::<u64>() {
+        return Some(secs.saturating_mul(1000));
+    }
+    if let Ok(secs) = v.parse::<f64>()
+        && secs.is_finite()
+        && secs >= 0.0
+    {
+        return Some((secs * 1000.0) as u64);
+    }
+    let at = httpdate::parse_http_date(v).ok()?;
+    Some(at.duration_since(now).map(|d| d.as_millis() as u64).unwrap_or(0))
+}
+
+/// A Go-style duration as OpenAI sends in `x-ratelimit-reset-*` (`12ms`, `6s`, `6m0s`,
+/// `1h2m3.5s`), in milliseconds.
+pub fn parse_go_duration(s: &str) -> Option<u64> {
+    let s = s.trim();
+    if s.is_empty() {
+        return None;
+    }
+    let mut total = 0f64;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let num_end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+        if num_end == 0 {
+            return None;
+        }
+        let n: f64 = rest[..num_end].parse().ok()?;
+        rest = &rest[num_end..];
+        let unit_end = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
+        let factor = match &rest[..unit_end] {
+            "ms" => 1.0,
+            "s" => 1000.0,
+            "m" => 60_000.0,
+            "h" => 3_600_000.0,
+            "us" | "µs" => 0.001,
+            "ns" => 0.000_001,
+            _ => return None,
+        };
+        total += n * factor;
+        rest = &rest[unit_end..];
+    }
+    Some(total.ceil() as u64)
+}
+
+/// An RFC 3339 timestamp (Anthropic's `anthropic-ratelimit-*-reset`) as a `SystemTime`.
+pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
+    let b = s.trim().as_bytes();
+    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || !(b[10] == b'T' || b[10] == b't') {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| -> Option<i64> { std::str::from_utf8(b.get(r)?).ok()?.parse().ok() };
+    let (y, mo, d, h, mi, se) = (num(0..4)?, num(5..7)?, num(8..10)?, num(11..13)?, num(14..16)?, num(17..19)?);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
+        return None;
+    }
+    let mut i = 19;
+    let mut nanos = 0u64;
+    if b.get(i) == Some(&b'.') {
+        i += 1;
+        let start = i;
+        while i < b.len() && b[i].is_ascii_digit() {
+            i += 1;
+        }
+        let frac = std::str::from_utf8(&b[start..i]).ok()?;
+        let digits: String = frac.chars().chain(std::iter::repeat('0')).take(9).collect();
+        nanos = digits.parse().ok()?;
+    }
+    let offset_secs: i64 = match b.get(i)? {
+        b'Z' | b'z' => 0,
+        sign @ (b'+' | b'-') => {
+            let oh = num(i + 1..i + 3)?;
+            let om = num(i + 4..i + 6)?;
+            let o = oh * 3600 + om * 60;
+            if *sign == b'+' { o } else { -o }
+        }
+        _ => return None,
+    };
+    // Days from civil (Howard Hinnant's algorithm).
+    let (yy, m) = if mo <= 2 { (y - 1, mo + 9) } else { (y, mo - 3) };
+    let era = yy.div_euclid(400);
+    let yoe = yy - era * 400;
+    let doy = (153 * m + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + h * 3600 + mi * 60 + se - offset_secs;
+    if secs < 0 {
+        return None;
+    }
+    Some(UNIX_EPOCH + Duration::from_secs(secs as u64) + Duration::from_nanos(nanos))
+}
+
+fn reset_in_ms(format: Format, value: &str, now: SystemTime) -> Option<u64> {
+    match format {
+        Format::OpenAi => parse_go_duration(value),
+        Format::Anthropic => parse_rfc3339(value)
+            .map(|t| t.duration_since(now).map(|d| d.as_millis() as u64).unwrap_or(0)),
+        Format::Gemini => None,
+    }
+}
+
+fn header_num(h: &dyn Fn(&str) -> Option<String>, name: &str) -> Option<u64> {
+    h(name)?.trim().parse().ok()
+}
+
+/// Classifies an HTTP answer from a channel. `header` looks a response header up by its
+/// lower-case name.
+pub fn classify_response(
+    format: Format,
+    status: u16,
+    header: &dyn Fn(&str) -> Option<String>,
+    body: &[u8],
+    now: SystemTime,
+) -> Signal {
+    let json: Option<Value> = serde_json::from_slice(body).ok();
+    let err = json.as_ref().and_then(|v| v.get("error"));
+    let provider_error_type = err.and_then(|e| match format {
+        // OpenAI's `code` is the precise one (`insufficient_quota`), `type` the family.
+        Format::OpenAi => e.get("code").and_then(Value::as_str).or_else(|| e.get("type").and_then(Value::as_str)),
+        Format::Anthropic => e.get("type").and_then(Value::as_str),
+        Format::Gemini => e.get("status").and_then(Value::as_str),
+    })
+    .map(str::to_owned);
+    let message = err.and_then(|e| e.get("message")).and_then(Value::as_str).map(str::to_owned);
+
+    // Wait hint: retry-after-ms, retry-after, then the provider's own reset hints.
+    let mut retry_after_ms = header("retry-after-ms")
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .map(|v| v as u64)
+        .or_else(|| header("retry-after").and_then(|v| parse_retry_after(&v, now)));
+
+    let mut limit_dimension = None;
+    let (remaining, reset_prefix) = match format {
+        Format::OpenAi => ("x-ratelimit-remaining-", "x-ratelimit-reset-"),
+        Format::Anthropic => ("anthropic-ratelimit-", "anthropic-ratelimit-"),
+        Format::Gemini => ("", ""),
+    };
+    if status == 429 && format != Format::Gemini {
+        let dims: &[(&str, LimitDimension)] = match format {
+            Format::OpenAi => &[("requests", LimitDimension::Requests), ("tokens", LimitDimension::Tokens)],
+            _ => &[
+                ("requests", LimitDimension::Requests),
+                ("input-tokens", LimitDimension::InputTokens),
+                ("output-tokens", LimitDimension::OutputTokens),
+                ("tokens", LimitDimension::Tokens),
+            ],
+        };
+        for (name, dim) in dims {
+            let (rem, reset) = match format {
+                Format::OpenAi => (format!("{remaining}{name}"), format!("{reset_prefix}{name}")),
+                _ => (format!("{remaining}{name}-remaining"), format!("{reset_prefix}{name}-reset")),
+            };
+            if header_num(header, &rem) == Some(0) {
+                limit_dimension.get_or_insert(*dim);
+                if retry_after_ms.is_none() {
+                    retry_after_ms = header(&reset).and_then(|v| reset_in_ms(format, &v, now));
+                }
+            }
+        }
+    }
+
+    let pte = provider_error_type.as_deref();
+    let mut class = match status {
+        200..=299 => {
+            if json.is_none() && !body.is_empty() {
+                ErrorClass::MalformedResponse
+            } else {
+                ErrorClass::Success
+            }
+        }
+        402 => ErrorClass::Quota,
+        429 => ErrorClass::RateLimit,
+        503 | 529 => ErrorClass::Overload,
+        500..=599 => ErrorClass::ServerError,
+        401 | 403 => ErrorClass::Auth,
+        400 | 404 | 413 | 422 => ErrorClass::InvalidRequest,
+        408 => ErrorClass::Timeout,
+        409 | 425 => ErrorClass::Transient,
+        _ => ErrorClass::Unknown,
+    };
+    match pte {
+        Some("insufficient_quota") | Some("billing_error") => class = ErrorClass::Quota,
+        Some("overloaded_error") => class = ErrorClass::Overload,
+        _ => {}
+    }
+    if class == ErrorClass::Quota {
+        limit_dimension = Some(LimitDimension::Spend);
+    }
+
+    if format == Format::Gemini
+        && let Some(details) = err.and_then(|e| e.get("details")).and_then(Value::as_array)
+    {
+        for d in details {
+            let ty = d.get("@type").and_then(Value::as_str).unwrap_or_default();
+            if ty.ends_with("google.rpc.RetryInfo") {
+                if let Some(delay) = d.get("retryDelay").and_then(Value::as_str) {
+                    retry_after_ms = retry_after_ms.or_else(|| parse_go_duration(delay));
+                }
+            } else if ty.ends_with("google.rpc.QuotaFailure") {
+                for v in d.get("violations").and_then(Value::as_array).into_iter().flatten() {
+                    let id = v.get("quotaId").or_else(|| v.get("quotaMetric")).and_then(Value::as_str).unwrap_or_default();
+                    if id.contains("PerDay") {
+                        // A per-day quota clears only at the daily reset: quota, not pacing.
+                        class = ErrorClass::Quota;
+                        limit_dimension = Some(LimitDimension::RequestsPerDay);
+                    } else if limit_dimension.is_none() {
+                        limit_dimension = Some(if id.to_ascii_lowercase().contains("token") {
+                            LimitDimension::Tokens
+                        } else {
+                            LimitDimension::Requests
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    Signal {
+        class,
+        http_status: Some(status),
+        provider_error_type,
+        message,
+        retry_after_ms,
+        limit_dimension,
+        visibility: Visibility::BeforeFirstToken,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
+        let v: Vec<(String, String)> = pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+        move |n: &str| v.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone())
+    }
+
+    fn now() -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(1_780_000_000)
+    }
+
+    #[test]
+    fn e1_retry_after_seconds_and_http_date() {
+        // spec: E1
+        assert_eq!(parse_retry_after("7", now()), Some(7000));
+        assert_eq!(parse_retry_after("1.5", now()), Some(1500));
+        let date = httpdate::fmt_http_date(now() + Duration::from_secs(30));
+        assert_eq!(parse_retry_after(&date, now()), Some(30_000));
+        let past = httpdate::fmt_http_date(now() - Duration::from_secs(30));
+        assert_eq!(parse_retry_after(&past, now()), Some(0));
+        assert_eq!(parse_retry_after("soon", now()), None);
+        assert_eq!(parse_retry_after("-3", now()), None);
+    }
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(parse_go_duration("12ms"), Some(12));
+        assert_eq!(parse_go_duration("6s"), Some(6000));
+        assert_eq!(parse_go_duration("6m0s"), Some(360_000));
+        assert_eq!(parse_go_duration("1h2m3.5s"), Some(3_723_500));
+        assert_eq!(parse_go_duration("30s"), Some(30_000));
+        assert_eq!(parse_go_duration("x"), None);
+        assert_eq!(parse_go_duration(""), None);
+    }
+
+    #[test]
+    fn rfc3339() {
+        let t = parse_rfc3339("2026-05-28T20:26:40Z").unwrap();
+        assert_eq!(t.duration_since(UNIX_EPOCH).unwrap().as_secs(), 1_780_000_000);
+        let t2 = parse_rfc3339("2026-05-28T22:26:40.5+02:00").unwrap();
+        assert_eq!(t2.duration_since(UNIX_EPOCH).unwrap().as_millis(), 1_780_000_000_500);
+        assert!(parse_rfc3339("yesterday").is_none());
+    }
+
+    #[test]
+    fn e2_classes_per_provider() {
+        // spec: E2
+        let none = headers(&[]);
+        let c = |f, s, b: &str| classify_response(f, s, &none, b.as_bytes(), now()).class;
+        assert_eq!(c(Format::OpenAi, 200, r#"{"id":"x"}"#), ErrorClass::Success);
+        assert_eq!(c(Format::OpenAi, 200, "{oops"), ErrorClass::MalformedResponse);
+        assert_eq!(c(Format::OpenAi, 429, r#"{"error":{"code":"rate_limit_exceeded","type":"requests"}}"#), ErrorClass::RateLimit);
+        assert_eq!(c(Format::OpenAi, 429, r#"{"error":{"code":"insufficient_quota","type":"insufficient_quota"}}"#), ErrorClass::Quota);
+        assert_eq!(c(Format::Anthropic, 529, r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#), ErrorClass::Overload);
+        assert_eq!(c(Format::Anthropic, 400, r#"{"type":"error","error":{"type":"billing_error","message":"b"}}"#), ErrorClass::Quota);
+        assert_eq!(c(Format::Anthropic, 401, "{}"), ErrorClass::Auth);
+        assert_eq!(c(Format::Gemini, 403, "{}"), ErrorClass::Auth);
+        for s in [500, 502, 504] {
+            assert_eq!(c(Format::OpenAi, s, ""), ErrorClass::ServerError);
+        }
+        assert_eq!(c(Format::OpenAi, 503, ""), ErrorClass::Overload);
+        for s in [400, 404, 413, 422] {
+            assert_eq!(c(Format::Gemini, s, ""), ErrorClass::InvalidRequest);
+        }
+        assert_eq!(c(Format::OpenAi, 408, ""), ErrorClass::Timeout);
+        assert_eq!(c(Format::OpenAi, 409, ""), ErrorClass::Transient);
+        assert_eq!(c(Format::OpenAi, 418, ""), ErrorClass::Unknown);
+    }
+
+    #[test]
+    fn e1_gemini_quota_vs_pacing() {
+        // spec: E1
+        let none = headers(&[]);
+        let pacing = r#"{"error":{"code":429,"message":"slow down","status":"RESOURCE_EXHAUSTED","details":[
+            {"@type":"type.googleapis.com/google.rpc.QuotaFailure","violations":[{"quotaId":"GenerateRequestsPerMinutePerProjectPerModel"}]},
+            {"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"30s"}]}}"#;
+        let s = classify_response(Format::Gemini, 429, &none, pacing.as_bytes(), now());
+        assert_eq!(s.class, ErrorClass::RateLimit);
+        assert_eq!(s.retry_after_ms, Some(30_000));
+        assert_eq!(s.limit_dimension, Some(LimitDimension::Requests));
+        assert_eq!(s.provider_error_type.as_deref(), Some("RESOURCE_EXHAUSTED"));
+        let daily = r#"{"error":{"code":429,"message":"quota","status":"RESOURCE_EXHAUSTED","details":[
+            {"@type":"type.googleapis.com/google.rpc.QuotaFailure","violations":[{"quotaId":"GenerateRequestsPerDayPerProjectPerModel-FreeTier"}]}]}}"#;
+        let s = classify_response(Format::Gemini, 429, &none, daily.as_bytes(), now());
+        assert_eq!(s.class, ErrorClass::Quota);
+        assert_eq!(s.limit_dimension, Some(LimitDimension::RequestsPerDay));
+    }
+
+    #[test]
+    fn e1_wait_hints_from_headers() {
+        // spec: E1
+        let h = headers(&[("x-ratelimit-remaining-tokens", "0"), ("x-ratelimit-reset-tokens", "6m0s"), ("x-ratelimit-remaining-requests", "10")]);
+        let s = classify_response(Format::OpenAi, 429, &h, br#"{"error":{"code":"rate_limit_exceeded"}}"#, now());
+        assert_eq!(s.limit_dimension, Some(LimitDimension::Tokens));
+        assert_eq!(s.retry_after_ms, Some(360_000));
+        let h = headers(&[("retry-after", "3"), ("x-ratelimit-remaining-requests", "0"), ("x-ratelimit-reset-requests", "20s")]);
+        let s = classify_response(Format::OpenAi, 429, &h, b"{}", now());
+        assert_eq!(s.retry_after_ms, Some(3000), "retry-after wins over reset hints");
+        let reset = "2026-05-28T20:27:10Z"; // now + 30 s
+        let h = headers(&[("anthropic-ratelimit-output-tokens-remaining", "0"), ("anthropic-ratelimit-output-tokens-reset", reset)]);
+        let s = classify_response(Format::Anthropic, 429, &h, b"{}", now());
+        assert_eq!(s.limit_dimension, Some(LimitDimension::OutputTokens));
+        assert_eq!(s.retry_after_ms, Some(30_000));
+        let h = headers(&[("retry-after-ms", "250")]);
+        assert_eq!(classify_response(Format::Anthropic, 529, &h, b"", now()).retry_after_ms, Some(250));
+    }
+
+    #[test]
+    fn classification_never_panics() {
+        let h = headers(&[("retry-after", "\u{0}\u{ffff}"), ("x-ratelimit-remaining-requests", "0"), ("x-ratelimit-reset-requests", "9999999999999999999h")]);
+        for f in Format::ALL {
+            for status in [0u16, 100, 200, 299, 402, 429, 503, 529, 999] {
+                for body in ["", "{", "null", r#"{"error":5}"#, r#"{"error":{"details":[1,{"@type":5}]}}"#] {
+                    let _ = classify_response(f, status, &h, body.as_bytes(), now());
+                }
+            }
+        }
+    }
+}
