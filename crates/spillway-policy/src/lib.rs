@@ -1,1 +1,13 @@
-//! placeholder
+//! Gateway configuration: the YAML contract of `spillway serve --config FILE`, parsed with
+//! unknown fields refused, then validated into a [`Config`] the engine can trust. Every
+//! error names the file, line and field. Pure: the caller reads the file and supplies the
+//! environment lookup, so tests need neither.
+
+mod config;
+mod error;
+
+pub use config::{
+    Channel, Config, DEFAULT_ATTEMPT_TIMEOUT_MS, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES, Key,
+    KeySecret, LedgerLocation, Owner, hash_secret,
+};
+pub use error::{ConfigError, ConfigErrors, Result};

@@ -1,0 +1,582 @@
+//! The gateway config file: raw shape (as written, with locations) and validated shape.
+
+use crate::error::{ConfigError, ConfigErrors, Result};
+use serde::Deserialize;
+use serde_saphyr::Spanned;
+use sha2::{Digest, Sha256};
+use spillway_wire::Format;
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8787";
+/// A5: bodies over 16 MiB get 413 unless the config says otherwise.
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 16 * 1024 * 1024;
+/// F3: interactive attempts get 8 s.
+pub const DEFAULT_ATTEMPT_TIMEOUT_MS: u64 = 8_000;
+const DEFAULT_CHANNEL_CONCURRENCY: u32 = 64;
+
+type S<T> = Spanned<T>;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    listen: Option<S<String>>,
+    #[serde(default)]
+    ledger: Option<S<String>>,
+    #[serde(default)]
+    max_body_bytes: Option<S<u64>>,
+    #[serde(default)]
+    attempt_timeout_ms: Option<S<u64>>,
+    channels: S<Vec<S<RawChannel>>>,
+    #[serde(default)]
+    keys: Vec<S<RawKey>>,
+    #[serde(default)]
+    owners: Vec<S<RawOwner>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawChannel {
+    name: S<String>,
+    format: S<String>,
+    base_url: S<String>,
+    #[serde(default)]
+    api_key_env: Option<S<String>>,
+    models: S<Vec<String>>,
+    #[serde(default)]
+    max_concurrency: Option<S<u32>>,
+    #[serde(default)]
+    weight: Option<S<u32>>,
+    #[serde(default)]
+    timeout_ms: Option<S<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKey {
+    name: S<String>,
+    owner: S<String>,
+    #[serde(default)]
+    secret_env: Option<S<String>>,
+    #[serde(default)]
+    secret_sha256: Option<S<String>>,
+    #[serde(default)]
+    rpm: Option<S<u32>>,
+    #[serde(default)]
+    max_concurrency: Option<S<u32>>,
+    #[serde(default)]
+    spend_limit_usd: Option<S<f64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOwner {
+    name: S<String>,
+    #[serde(default)]
+    balance_usd: Option<S<f64>>,
+}
+
+/// A validated gateway config.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub listen: SocketAddr,
+    /// Set when `listen` is not a loopback address (P1): the caller warns.
+    pub listen_warning: Option<String>,
+    pub ledger: Option<LedgerLocation>,
+    pub max_body_bytes: u64,
+    pub attempt_timeout_ms: u64,
+    pub channels: Vec<Channel>,
+    pub keys: Vec<Key>,
+    pub owners: Vec<Owner>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LedgerLocation {
+    Sqlite(PathBuf),
+}
+
+/// An upstream channel: one provider endpoint with one credential.
+#[derive(Clone)]
+pub struct Channel {
+    pub name: String,
+    pub format: Format,
+    /// Without a trailing slash; the client's path is appended as sent.
+    pub base_url: String,
+    /// The upstream credential, read from `api_key_env` (P4). Never printed.
+    pub api_key: Option<String>,
+    /// `*` serves any model.
+    pub models: Vec<String>,
+    pub max_concurrency: u32,
+    pub weight: u32,
+    pub timeout_ms: Option<u64>,
+}
+
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Channel")
+            .field("name", &self.name)
+            .field("format", &self.format)
+            .field("base_url", &self.base_url)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("models", &self.models)
+            .field("max_concurrency", &self.max_concurrency)
+            .field("weight", &self.weight)
+            .finish()
+    }
+}
+
+impl Channel {
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.iter().any(|m| m == "*" || m == model)
+    }
+}
+
+/// How a gateway key's secret is known: only ever as a SHA-256 digest (B5).
+#[derive(Clone, PartialEq, Eq)]
+pub struct KeySecret(pub [u8; 32]);
+
+impl std::fmt::Debug for KeySecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeySecret(<sha256>)")
+    }
+}
+
+pub fn hash_secret(secret: &str) -> KeySecret {
+    KeySecret(Sha256::digest(secret.as_bytes()).into())
+}
+
+#[derive(Clone, Debug)]
+pub struct Key {
+    pub name: String,
+    pub owner: String,
+    pub secret: KeySecret,
+    pub rpm: Option<u32>,
+    pub max_concurrency: Option<u32>,
+    pub spend_limit_usd: Option<f64>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Owner {
+    pub name: String,
+    pub balance_usd: f64,
+}
+
+struct Ctx<'a> {
+    file: &'a str,
+    errors: Vec<ConfigError>,
+}
+
+impl Ctx<'_> {
+    fn err<T>(&mut self, at: &Spanned<T>, field: impl Into<String>, message: impl Into<String>) {
+        self.errors.push(ConfigError {
+            file: self.file.to_owned(),
+            line: at.referenced.line() as u32,
+            column: at.referenced.column() as u32,
+            field: field.into(),
+            message: message.into(),
+        });
+    }
+}
+
+impl Config {
+    /// Parses and validates `text`, read from `file` (used in messages and to resolve a
+    /// relative ledger path). `env` looks environment variables up.
+    pub fn parse(file: &Path, text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+        let name = file.display().to_string();
+        let raw: RawConfig = serde_saphyr::from_str(text).map_err(|e| {
+            let (line, column) = e
+                .location()
+                .map(|l| (l.line() as u32, l.column() as u32))
+                .unwrap_or((0, 0));
+            let message = e.without_snippet().to_string();
+            // The library appends its own position; ours leads the line already.
+            let message = message.split(" at line ").next().unwrap_or(&message).trim().to_owned();
+            let field = key_on_line(text, line).unwrap_or_default();
+            ConfigErrors(vec![ConfigError { file: name.clone(), line, column, field, message }])
+        })?;
+        let base_dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
+        raw.validate(&name, &base_dir, env)
+    }
+}
+
+/// The YAML key written on `line`, so a type error ("invalid u32") names its field even
+/// though the parser only knows the position.
+fn key_on_line(text: &str, line: u32) -> Option<String> {
+    let l = text.lines().nth((line as usize).checked_sub(1)?)?;
+    let l = l.trim_start().trim_start_matches("- ").trim_start();
+    let (key, _) = l.split_once(':')?;
+    let ok = !key.is_empty() && key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    ok.then(|| key.to_owned())
+}
+
+fn parse_ledger(url: &str, base_dir: &Path) -> std::result::Result<LedgerLocation, String> {
+    let rest = url
+        .strip_prefix("sqlite://")
+        .ok_or_else(|| format!("`{url}` is not a ledger URL; expected sqlite:///path/to/ledger.db"))?;
+    if rest.is_empty() {
+        return Err("sqlite:// needs a file path, e.g. sqlite:///var/lib/spillway/ledger.db".into());
+    }
+    let p = PathBuf::from(rest);
+    Ok(LedgerLocation::Sqlite(if p.is_absolute() { p } else { base_dir.join(p) }))
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+}
+
+impl RawConfig {
+    fn validate(self, file: &str, base_dir: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+        let mut cx = Ctx { file, errors: Vec::new() };
+
+        let mut listen: SocketAddr = DEFAULT_LISTEN.parse().map_err(|_| ConfigErrors(vec![]))?;
+        let mut listen_warning = None;
+        if let Some(l) = &self.listen {
+            match l.value.parse::<SocketAddr>() {
+                Ok(a) => {
+                    listen = a;
+                    if !a.ip().is_loopback() {
+                        listen_warning = Some(format!(
+                            "{file}:{}: listen: {a} is not a loopback address; the gateway is reachable from other machines",
+                            l.referenced.line()
+                        ));
+                    }
+                }
+                Err(_) => cx.err(l, "listen", format!("`{}` is not HOST:PORT (e.g. 127.0.0.1:8787)", l.value)),
+            }
+        }
+
+        let ledger = match &self.ledger {
+            Some(l) => match parse_ledger(&l.value, base_dir) {
+                Ok(loc) => Some(loc),
+                Err(m) => {
+                    cx.err(l, "ledger", m);
+                    None
+                }
+            },
+            None => None,
+        };
+
+        let max_body_bytes = match &self.max_body_bytes {
+            Some(m) if m.value == 0 => {
+                cx.err(m, "max_body_bytes", "must be greater than 0");
+                DEFAULT_MAX_BODY_BYTES
+            }
+            Some(m) => m.value,
+            None => DEFAULT_MAX_BODY_BYTES,
+        };
+        let attempt_timeout_ms = match &self.attempt_timeout_ms {
+            Some(m) if m.value == 0 => {
+                cx.err(m, "attempt_timeout_ms", "must be greater than 0");
+                DEFAULT_ATTEMPT_TIMEOUT_MS
+            }
+            Some(m) => m.value,
+            None => DEFAULT_ATTEMPT_TIMEOUT_MS,
+        };
+
+        let mut owners = Vec::new();
+        let mut owner_names = HashSet::new();
+        for (i, o) in self.owners.iter().enumerate() {
+            let f = |s: &str| format!("owners[{i}].{s}");
+            if !valid_name(&o.value.name.value) {
+                cx.err(&o.value.name, f("name"), "must be 1-64 letters, digits, '-', '_' or '.'");
+            } else if !owner_names.insert(o.value.name.value.clone()) {
+                cx.err(&o.value.name, f("name"), format!("owner `{}` is defined twice", o.value.name.value));
+            }
+            let balance_usd = o.value.balance_usd.as_ref().map(|b| b.value).unwrap_or(0.0);
+            if let Some(b) = &o.value.balance_usd
+                && !b.value.is_finite()
+            {
+                cx.err(b, f("balance_usd"), "must be a finite number");
+            }
+            owners.push(Owner { name: o.value.name.value.clone(), balance_usd });
+        }
+
+        let mut channels = Vec::new();
+        let mut channel_names = HashSet::new();
+        if self.channels.value.is_empty() {
+            cx.err(&self.channels, "channels", "at least one channel is required");
+        }
+        for (i, c) in self.channels.value.iter().enumerate() {
+            let c = &c.value;
+            let f = |s: &str| format!("channels[{i}].{s}");
+            if !valid_name(&c.name.value) {
+                cx.err(&c.name, f("name"), "must be 1-64 letters, digits, '-', '_' or '.'");
+            } else if !channel_names.insert(c.name.value.clone()) {
+                cx.err(&c.name, f("name"), format!("channel `{}` is defined twice", c.name.value));
+            }
+            let format = match c.format.value.parse::<Format>() {
+                Ok(fm) => fm,
+                Err(m) => {
+                    cx.err(&c.format, f("format"), m);
+                    Format::OpenAi
+                }
+            };
+            let base_url = c.base_url.value.trim_end_matches('/').to_owned();
+            let scheme_ok = base_url.starts_with("http://") || base_url.starts_with("https://");
+            let host = base_url.split("://").nth(1).unwrap_or_default();
+            if !scheme_ok || host.is_empty() || host.starts_with('/') || base_url.contains(['?', '#', ' ']) {
+                cx.err(&c.base_url, f("base_url"), format!("`{}` is not an http(s) URL without query or fragment", c.base_url.value));
+            }
+            let api_key = match &c.api_key_env {
+                Some(e) => match env(&e.value) {
+                    Some(v) if !v.is_empty() => Some(v),
+                    _ => {
+                        cx.err(e, f("api_key_env"), format!("environment variable {} is not set", e.value));
+                        None
+                    }
+                },
+                None => None,
+            };
+            if c.models.value.is_empty() {
+                cx.err(&c.models, f("models"), "list at least one model, or \"*\" for any");
+            }
+            for m in &c.models.value {
+                if m != "*" && !spillway_wire::request::valid_model_name(m) {
+                    cx.err(&c.models, f("models"), format!("`{m}` is not a model name"));
+                }
+            }
+            let max_concurrency = match &c.max_concurrency {
+                Some(m) if m.value == 0 => {
+                    cx.err(m, f("max_concurrency"), "must be at least 1");
+                    1
+                }
+                Some(m) => m.value,
+                None => DEFAULT_CHANNEL_CONCURRENCY,
+            };
+            let weight = match &c.weight {
+                Some(w) if w.value == 0 => {
+                    cx.err(w, f("weight"), "must be at least 1 (remove the channel to stop using it)");
+                    1
+                }
+                Some(w) => w.value,
+                None => 1,
+            };
+            if let Some(t) = &c.timeout_ms
+                && t.value == 0
+            {
+                cx.err(t, f("timeout_ms"), "must be greater than 0");
+            }
+            channels.push(Channel {
+                name: c.name.value.clone(),
+                format,
+                base_url,
+                api_key,
+                models: c.models.value.clone(),
+                max_concurrency,
+                weight,
+                timeout_ms: c.timeout_ms.as_ref().map(|t| t.value),
+            });
+        }
+
+        let mut keys = Vec::new();
+        let mut key_names = HashSet::new();
+        let mut secrets = HashSet::new();
+        for (i, k) in self.keys.iter().enumerate() {
+            let at = k;
+            let k = &k.value;
+            let f = |s: &str| format!("keys[{i}].{s}");
+            if !valid_name(&k.name.value) {
+                cx.err(&k.name, f("name"), "must be 1-64 letters, digits, '-', '_' or '.'");
+            } else if !key_names.insert(k.name.value.clone()) {
+                cx.err(&k.name, f("name"), format!("key `{}` is defined twice", k.name.value));
+            }
+            if !owner_names.contains(&k.owner.value) {
+                cx.err(&k.owner, f("owner"), format!("owner `{}` is not listed under `owners`", k.owner.value));
+            }
+            let secret = match (&k.secret_env, &k.secret_sha256) {
+                (Some(e), None) => match env(&e.value) {
+                    Some(v) if v.len() >= 16 => Some(hash_secret(&v)),
+                    Some(_) => {
+                        cx.err(e, f("secret_env"), format!("the secret in {} is shorter than 16 characters", e.value));
+                        None
+                    }
+                    None => {
+                        cx.err(e, f("secret_env"), format!("environment variable {} is not set", e.value));
+                        None
+                    }
+                },
+                (None, Some(h)) => {
+                    let mut d = [0u8; 32];
+                    match hex::decode_to_slice(h.value.trim(), &mut d) {
+                        Ok(()) => Some(KeySecret(d)),
+                        Err(_) => {
+                            cx.err(h, f("secret_sha256"), "must be 64 hex digits (sha256 of the secret)");
+                            None
+                        }
+                    }
+                }
+                (Some(e), Some(_)) => {
+                    cx.err(e, f("secret_env"), "give either secret_env or secret_sha256, not both");
+                    None
+                }
+                (None, None) => {
+                    cx.err(at, format!("keys[{i}]"), "needs secret_env or secret_sha256");
+                    None
+                }
+            };
+            if let Some(s) = &secret
+                && !secrets.insert(s.0)
+            {
+                cx.err(&k.name, f("secret_env"), "two keys share one secret; each key needs its own");
+            }
+            for (name, v) in [("rpm", &k.rpm), ("max_concurrency", &k.max_concurrency)] {
+                if let Some(v) = v
+                    && v.value == 0
+                {
+                    cx.err(v, f(name), "must be at least 1 (leave it out for no limit)");
+                }
+            }
+            if let Some(s) = &k.spend_limit_usd
+                && !(s.value.is_finite() && s.value >= 0.0)
+            {
+                cx.err(s, f("spend_limit_usd"), "must be a non-negative number");
+            }
+            if let Some(secret) = secret {
+                keys.push(Key {
+                    name: k.name.value.clone(),
+                    owner: k.owner.value.clone(),
+                    secret,
+                    rpm: k.rpm.as_ref().map(|v| v.value),
+                    max_concurrency: k.max_concurrency.as_ref().map(|v| v.value),
+                    spend_limit_usd: k.spend_limit_usd.as_ref().map(|v| v.value),
+                });
+            }
+        }
+
+        if !cx.errors.is_empty() {
+            return Err(ConfigErrors(cx.errors));
+        }
+        Ok(Config {
+            listen,
+            listen_warning,
+            ledger,
+            max_body_bytes,
+            attempt_timeout_ms,
+            channels,
+            keys,
+            owners,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(name: &str) -> Option<String> {
+        match name {
+            "SPILLWAY_APP_KEY" => Some("sk-app-0123456789abcdef".into()),
+            "OPENAI_API_KEY" => Some("sk-upstream".into()),
+            "SHORT" => Some("abc".into()),
+            _ => None,
+        }
+    }
+
+    const GOOD: &str = "\
+listen: 127.0.0.1:0
+ledger: sqlite://ledger.db
+channels:
+  - name: openai-a
+    format: openai
+    base_url: http://127.0.0.1:9001/
+    api_key_env: OPENAI_API_KEY
+    models: [gpt-4o-mini]
+    max_concurrency: 8
+    weight: 1
+keys:
+  - name: app
+    owner: team-a
+    secret_env: SPILLWAY_APP_KEY
+    rpm: 60
+    max_concurrency: 4
+owners:
+  - name: team-a
+    balance_usd: 100
+";
+
+    fn parse(text: &str) -> Result<Config> {
+        Config::parse(Path::new("/etc/spillway/gw.yaml"), text, &env)
+    }
+
+    #[test]
+    fn good_config_parses() {
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.listen.port(), 0);
+        assert_eq!(c.ledger, Some(LedgerLocation::Sqlite("/etc/spillway/ledger.db".into())));
+        assert_eq!(c.channels[0].base_url, "http://127.0.0.1:9001");
+        assert_eq!(c.channels[0].api_key.as_deref(), Some("sk-upstream"));
+        assert_eq!(c.keys[0].secret, hash_secret("sk-app-0123456789abcdef"));
+        assert_eq!(c.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+        assert!(c.listen_warning.is_none());
+        // The upstream key never shows in debug output (P3).
+        assert!(!format!("{c:?}").contains("sk-upstream"));
+    }
+
+    #[test]
+    fn unknown_field_is_refused_with_line() {
+        let e = parse(&GOOD.replace("    weight: 1\n", "    wieght: 1\n")).unwrap_err();
+        let s = e.to_string();
+        assert!(s.starts_with("/etc/spillway/gw.yaml:10:"), "{s}");
+        assert!(s.contains("wieght"), "{s}");
+    }
+
+    #[test]
+    fn validation_names_file_line_and_field() {
+        let bad = GOOD
+            .replace("format: openai", "format: openia")
+            .replace("SPILLWAY_APP_KEY", "MISSING_VAR")
+            .replace("owner: team-a", "owner: team-b");
+        let e = parse(&bad).unwrap_err();
+        let lines: Vec<String> = e.0.iter().map(|e| e.to_string()).collect();
+        assert!(lines.iter().any(|l| l.starts_with("/etc/spillway/gw.yaml:5:") && l.contains("channels[0].format") && l.contains("openia")), "{lines:?}");
+        assert!(lines.iter().any(|l| l.contains(":14:") && l.contains("keys[0].secret_env") && l.contains("MISSING_VAR is not set")), "{lines:?}");
+        assert!(lines.iter().any(|l| l.contains(":13:") && l.contains("keys[0].owner") && l.contains("team-b")), "{lines:?}");
+    }
+
+    #[test]
+    fn bad_values() {
+        for (from, to, field) in [
+            ("base_url: http://127.0.0.1:9001/", "base_url: ftp://x", "channels[0].base_url"),
+            ("max_concurrency: 8", "max_concurrency: 0", "channels[0].max_concurrency"),
+            ("models: [gpt-4o-mini]", "models: []", "channels[0].models"),
+            ("listen: 127.0.0.1:0", "listen: localhost", "listen"),
+            ("ledger: sqlite://ledger.db", "ledger: postgres://x", "ledger"),
+            ("secret_env: SPILLWAY_APP_KEY", "secret_env: SHORT", "keys[0].secret_env"),
+            ("rpm: 60", "rpm: 0", "keys[0].rpm"),
+            ("api_key_env: OPENAI_API_KEY", "api_key_env: NOPE", "channels[0].api_key_env"),
+        ] {
+            let e = parse(&GOOD.replace(from, to)).unwrap_err();
+            assert!(e.0.iter().any(|e| e.field == field && e.line > 0), "{to}: {e}");
+        }
+        let e = parse(&GOOD.replace("max_concurrency: 8", "max_concurrency: lots")).unwrap_err();
+        assert!(e.0[0].line == 9 && e.0[0].field == "max_concurrency", "{e}");
+    }
+
+    #[test]
+    fn p1_non_loopback_listen_warns() {
+        // spec: P1
+        let c = parse(&GOOD.replace("listen: 127.0.0.1:0", "listen: 0.0.0.0:8787")).unwrap();
+        assert!(c.listen_warning.unwrap().contains("not a loopback"));
+        let c = parse(&GOOD.replace("listen: 127.0.0.1:0\n", "")).unwrap();
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+    }
+
+    #[test]
+    fn duplicate_names_and_secret_sha() {
+        let dup = GOOD.replace("keys:\n", "  - name: openai-a\n    format: openai\n    base_url: http://x\n    models: ['*']\nkeys:\n");
+        let e = parse(&dup).unwrap_err();
+        assert!(e.0.iter().any(|e| e.field == "channels[1].name" && e.message.contains("twice")), "{e}");
+        let sha = hex::encode(hash_secret("sk-app-0123456789abcdef").0);
+        let c = parse(&GOOD.replace("secret_env: SPILLWAY_APP_KEY", &format!("secret_sha256: {sha}"))).unwrap();
+        assert_eq!(c.keys[0].secret, hash_secret("sk-app-0123456789abcdef"));
+    }
+
+    #[test]
+    fn empty_or_garbage_file() {
+        assert!(parse("").is_err());
+        assert!(parse("channels: 5").is_err());
+        assert!(parse(": : :\n\t- [").is_err());
+    }
+}
