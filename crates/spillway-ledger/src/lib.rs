@@ -1,1 +1,48 @@
-//! placeholder
+//! The request ledger (I1, I3): every logical request and every upstream attempt, in a
+//! store behind [`LedgerBackend`] (SQLite now; PostgreSQL can implement the same trait).
+//!
+//! Writes go through one writer task that group-commits whatever is queued (one
+//! transaction, multi-row upserts), so the ledger keeps up with thousands of requests per
+//! second on two cores. A write that must be durable before the gateway proceeds (a
+//! request entering `calling_api`) waits for the commit that carries it.
+
+mod record;
+mod sqlite;
+mod writer;
+
+pub use record::{AttemptRecord, RequestRecord, RequestState};
+pub use sqlite::SqliteBackend;
+pub use writer::Ledger;
+
+use async_trait::async_trait;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("ledger database error: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("ledger migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("cannot create the ledger directory {path}: {source}")]
+    Directory { path: String, source: std::io::Error },
+    #[error("the ledger writer has stopped")]
+    WriterStopped,
+    #[error("ledger row is corrupt: {0}")]
+    Corrupt(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A store the ledger can live in. Batches arrive from the single writer task.
+#[async_trait]
+pub trait LedgerBackend: Send + Sync + 'static {
+    /// Upserts `requests` (each the latest full state of its row) and inserts `attempts`,
+    /// atomically.
+    async fn write_batch(&self, requests: &[RequestRecord], attempts: &[AttemptRecord]) -> Result<()>;
+    async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>>;
+    async fn attempts(&self, request_id: &str) -> Result<Vec<AttemptRecord>>;
+    /// I4: on start-up, requests left in `calling_api` by a crash become `unknown`.
+    /// Returns how many.
+    async fn mark_interrupted_unknown(&self) -> Result<u64>;
+    /// Housekeeping the writer must not pay for on its commits (WAL checkpoints).
+    async fn maintain(&self) -> Result<()>;
+}

@@ -1,0 +1,104 @@
+use serde::{Deserialize, Serialize};
+
+/// The I3 life of a logical request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RequestState {
+    /// Accepted at ingress, not yet sent anywhere.
+    Received,
+    /// An upstream call may be in progress. Durable before the call starts, so a crash
+    /// leaves evidence that a provider may have done work.
+    CallingApi,
+    /// The provider answered and the answer is being delivered.
+    ApiCompleted,
+    /// A side effect tied to the answer is running (jobs; not used by plain proxying).
+    SideEffectPending,
+    /// Finished successfully.
+    Done,
+    /// Finished without a usable answer.
+    Failed,
+    /// Outcome not known (found in `calling_api` after a restart); an owner reconciles it.
+    Unknown,
+}
+
+impl RequestState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestState::Received => "received",
+            RequestState::CallingApi => "calling_api",
+            RequestState::ApiCompleted => "api_completed",
+            RequestState::SideEffectPending => "side_effect_pending",
+            RequestState::Done => "done",
+            RequestState::Failed => "failed",
+            RequestState::Unknown => "unknown",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "received" => RequestState::Received,
+            "calling_api" => RequestState::CallingApi,
+            "api_completed" => RequestState::ApiCompleted,
+            "side_effect_pending" => RequestState::SideEffectPending,
+            "done" => RequestState::Done,
+            "failed" => RequestState::Failed,
+            "unknown" => RequestState::Unknown,
+            _ => return None,
+        })
+    }
+}
+
+/// One logical request, with the I1 fields. Times are unix milliseconds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RequestRecord {
+    pub id: String,
+    pub trace_id: String,
+    pub client_request_id: Option<String>,
+    pub upstream_request_id: Option<String>,
+    pub key_name: Option<String>,
+    pub owner: Option<String>,
+    pub workflow: Option<String>,
+    pub format: String,
+    pub endpoint: String,
+    pub route: Option<String>,
+    pub channel: Option<String>,
+    pub requested_model: Option<String>,
+    pub served_model: Option<String>,
+    pub stream: bool,
+    pub state: RequestState,
+    pub http_status: Option<u16>,
+    pub error_class: Option<String>,
+    pub error_message: Option<String>,
+    pub input_tokens: Option<u64>,
+    pub output_tokens: Option<u64>,
+    pub cached_input_tokens: Option<u64>,
+    pub reasoning_tokens: Option<u64>,
+    pub cost_usd: Option<f64>,
+    pub received_at: i64,
+    pub admitted_at: Option<i64>,
+    pub first_token_at: Option<i64>,
+    pub finished_at: Option<i64>,
+    pub queued_ms: Option<u64>,
+    pub attempts: u32,
+    pub body_sha256: Option<String>,
+    pub partial_output_committed: bool,
+}
+
+/// One upstream attempt of a request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    pub request_id: String,
+    pub attempt_no: u32,
+    pub channel: String,
+    pub upstream_request_id: Option<String>,
+    pub http_status: Option<u16>,
+    pub error_class: String,
+    pub provider_error_type: Option<String>,
+    pub retry_after_ms: Option<u64>,
+    pub message: Option<String>,
+    pub started_at: i64,
+    pub first_byte_at: Option<i64>,
+    pub finished_at: Option<i64>,
+    pub input_tokens: Option<u64>,
+    pub output_tokens: Option<u64>,
+}

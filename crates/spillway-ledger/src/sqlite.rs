@@ -1,0 +1,232 @@
+//! SQLite in WAL mode: one writer connection owned by the writer task's batches, a small
+//! read pool, and checkpoints on their own connection so commits stay short.
+
+use crate::{AttemptRecord, Error, LedgerBackend, RequestRecord, RequestState, Result};
+use async_trait::async_trait;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
+use sqlx::{AssertSqlSafe, Connection, QueryBuilder, Row, Sqlite, SqliteConnection, SqlitePool};
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+use tokio::sync::Mutex;
+
+/// SQLite allows 32766 bound parameters per statement; stay well under it.
+const ROWS_PER_STATEMENT: usize = 500;
+
+const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request_id, key_name, owner, workflow, \
+    format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
+    error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
+    admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed";
+
+const ATTEMPT_COLUMNS: &str = "request_id, attempt_no, channel, upstream_request_id, http_status, error_class, \
+    provider_error_type, retry_after_ms, message, started_at, first_byte_at, finished_at, input_tokens, output_tokens";
+
+pub struct SqliteBackend {
+    writer: Mutex<SqliteConnection>,
+    readers: SqlitePool,
+    /// Checkpoints need a writable connection that is not the writer's.
+    maintenance: Mutex<SqliteConnection>,
+}
+
+fn i(v: Option<u64>) -> Option<i64> {
+    v.map(|v| v.min(i64::MAX as u64) as i64)
+}
+
+fn u(v: Option<i64>) -> Option<u64> {
+    v.map(|v| v.max(0) as u64)
+}
+
+impl SqliteBackend {
+    /// Opens (creating if needed) the ledger file at `path` and applies migrations.
+    pub async fn open(path: &Path) -> Result<SqliteBackend> {
+        if let Some(dir) = path.parent()
+            && !dir.as_os_str().is_empty()
+        {
+            std::fs::create_dir_all(dir).map_err(|source| Error::Directory { path: dir.display().to_string(), source })?;
+        }
+        let base = SqliteConnectOptions::from_str("sqlite://")?
+            .filename(path)
+            .journal_mode(SqliteJournalMode::Wal)
+            // WAL + NORMAL: a commit survives a process crash; only power loss can take
+            // the last transactions, which the fsync on checkpoint bounds.
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(5));
+        let mut writer = SqliteConnection::connect_with(
+            &base.clone().create_if_missing(true).pragma("wal_autocheckpoint", "0"),
+        )
+        .await?;
+        sqlx::migrate!("./migrations").run(&mut writer).await?;
+        let maintenance = SqliteConnection::connect_with(&base).await?;
+        let readers = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(base.read_only(true))
+            .await?;
+        Ok(SqliteBackend { writer: Mutex::new(writer), readers, maintenance: Mutex::new(maintenance) })
+    }
+}
+
+fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
+    let state: String = r.try_get("state")?;
+    Ok(RequestRecord {
+        id: r.try_get("id")?,
+        trace_id: r.try_get("trace_id")?,
+        client_request_id: r.try_get("client_request_id")?,
+        upstream_request_id: r.try_get("upstream_request_id")?,
+        key_name: r.try_get("key_name")?,
+        owner: r.try_get("owner")?,
+        workflow: r.try_get("workflow")?,
+        format: r.try_get("format")?,
+        endpoint: r.try_get("endpoint")?,
+        route: r.try_get("route")?,
+        channel: r.try_get("channel")?,
+        requested_model: r.try_get("requested_model")?,
+        served_model: r.try_get("served_model")?,
+        stream: r.try_get("stream")?,
+        state: RequestState::parse(&state).ok_or_else(|| Error::Corrupt(format!("unknown state `{state}`")))?,
+        http_status: r.try_get::<Option<i64>, _>("http_status")?.map(|v| v as u16),
+        error_class: r.try_get("error_class")?,
+        error_message: r.try_get("error_message")?,
+        input_tokens: u(r.try_get("input_tokens")?),
+        output_tokens: u(r.try_get("output_tokens")?),
+        cached_input_tokens: u(r.try_get("cached_input_tokens")?),
+        reasoning_tokens: u(r.try_get("reasoning_tokens")?),
+        cost_usd: r.try_get("cost_usd")?,
+        received_at: r.try_get("received_at")?,
+        admitted_at: r.try_get("admitted_at")?,
+        first_token_at: r.try_get("first_token_at")?,
+        finished_at: r.try_get("finished_at")?,
+        queued_ms: u(r.try_get("queued_ms")?),
+        attempts: r.try_get::<i64, _>("attempts")? as u32,
+        body_sha256: r.try_get("body_sha256")?,
+        partial_output_committed: r.try_get("partial_output_committed")?,
+    })
+}
+
+fn attempt_from_row(r: &SqliteRow) -> Result<AttemptRecord> {
+    Ok(AttemptRecord {
+        request_id: r.try_get("request_id")?,
+        attempt_no: r.try_get::<i64, _>("attempt_no")? as u32,
+        channel: r.try_get("channel")?,
+        upstream_request_id: r.try_get("upstream_request_id")?,
+        http_status: r.try_get::<Option<i64>, _>("http_status")?.map(|v| v as u16),
+        error_class: r.try_get("error_class")?,
+        provider_error_type: r.try_get("provider_error_type")?,
+        retry_after_ms: u(r.try_get("retry_after_ms")?),
+        message: r.try_get("message")?,
+        started_at: r.try_get("started_at")?,
+        first_byte_at: r.try_get("first_byte_at")?,
+        finished_at: r.try_get("finished_at")?,
+        input_tokens: u(r.try_get("input_tokens")?),
+        output_tokens: u(r.try_get("output_tokens")?),
+    })
+}
+
+#[async_trait]
+impl LedgerBackend for SqliteBackend {
+    async fn write_batch(&self, requests: &[RequestRecord], attempts: &[AttemptRecord]) -> Result<()> {
+        let mut conn = self.writer.lock().await;
+        let mut tx = conn.begin().await?;
+        for chunk in requests.chunks(ROWS_PER_STATEMENT) {
+            let mut q: QueryBuilder<Sqlite> = QueryBuilder::new(format!("INSERT INTO requests ({REQUEST_COLUMNS}) "));
+            q.push_values(chunk, |mut b, r| {
+                b.push_bind(r.id.clone())
+                    .push_bind(r.trace_id.clone())
+                    .push_bind(r.client_request_id.clone())
+                    .push_bind(r.upstream_request_id.clone())
+                    .push_bind(r.key_name.clone())
+                    .push_bind(r.owner.clone())
+                    .push_bind(r.workflow.clone())
+                    .push_bind(r.format.clone())
+                    .push_bind(r.endpoint.clone())
+                    .push_bind(r.route.clone())
+                    .push_bind(r.channel.clone())
+                    .push_bind(r.requested_model.clone())
+                    .push_bind(r.served_model.clone())
+                    .push_bind(r.stream)
+                    .push_bind(r.state.as_str())
+                    .push_bind(r.http_status.map(i64::from))
+                    .push_bind(r.error_class.clone())
+                    .push_bind(r.error_message.clone())
+                    .push_bind(i(r.input_tokens))
+                    .push_bind(i(r.output_tokens))
+                    .push_bind(i(r.cached_input_tokens))
+                    .push_bind(i(r.reasoning_tokens))
+                    .push_bind(r.cost_usd)
+                    .push_bind(r.received_at)
+                    .push_bind(r.admitted_at)
+                    .push_bind(r.first_token_at)
+                    .push_bind(r.finished_at)
+                    .push_bind(i(r.queued_ms))
+                    .push_bind(i64::from(r.attempts))
+                    .push_bind(r.body_sha256.clone())
+                    .push_bind(r.partial_output_committed);
+            });
+            q.push(" ON CONFLICT(id) DO UPDATE SET ");
+            let sets: Vec<String> = REQUEST_COLUMNS
+                .split(',')
+                .map(str::trim)
+                .filter(|c| *c != "id")
+                .map(|c| format!("{c} = excluded.{c}"))
+                .collect();
+            q.push(sets.join(", "));
+            q.build().execute(&mut *tx).await?;
+        }
+        for chunk in attempts.chunks(ROWS_PER_STATEMENT) {
+            let mut q: QueryBuilder<Sqlite> = QueryBuilder::new(format!("INSERT OR REPLACE INTO attempts ({ATTEMPT_COLUMNS}) "));
+            q.push_values(chunk, |mut b, a| {
+                b.push_bind(a.request_id.clone())
+                    .push_bind(i64::from(a.attempt_no))
+                    .push_bind(a.channel.clone())
+                    .push_bind(a.upstream_request_id.clone())
+                    .push_bind(a.http_status.map(i64::from))
+                    .push_bind(a.error_class.clone())
+                    .push_bind(a.provider_error_type.clone())
+                    .push_bind(i(a.retry_after_ms))
+                    .push_bind(a.message.clone())
+                    .push_bind(a.started_at)
+                    .push_bind(a.first_byte_at)
+                    .push_bind(a.finished_at)
+                    .push_bind(i(a.input_tokens))
+                    .push_bind(i(a.output_tokens));
+            });
+            q.build().execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>> {
+        let row = sqlx::query(AssertSqlSafe(format!("SELECT {REQUEST_COLUMNS} FROM requests WHERE id = ?")))
+            .bind(id)
+            .fetch_optional(&self.readers)
+            .await?;
+        row.as_ref().map(request_from_row).transpose()
+    }
+
+    async fn attempts(&self, request_id: &str) -> Result<Vec<AttemptRecord>> {
+        let rows = sqlx::query(AssertSqlSafe(format!("SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE request_id = ? ORDER BY attempt_no")))
+            .bind(request_id)
+            .fetch_all(&self.readers)
+            .await?;
+        rows.iter().map(attempt_from_row).collect()
+    }
+
+    async fn mark_interrupted_unknown(&self) -> Result<u64> {
+        let mut conn = self.writer.lock().await;
+        let r = sqlx::query(
+            "UPDATE requests SET state = 'unknown', error_class = 'interrupted', \
+             error_message = 'the gateway stopped while this request was calling the provider' \
+             WHERE state = 'calling_api'",
+        )
+        .execute(&mut *conn)
+        .await?;
+        Ok(r.rows_affected())
+    }
+
+    async fn maintain(&self) -> Result<()> {
+        // PASSIVE never blocks the writer; the WAL is folded back while it keeps going.
+        let mut conn = self.maintenance.lock().await;
+        sqlx::query("PRAGMA wal_checkpoint(PASSIVE)").execute(&mut *conn).await?;
+        Ok(())
+    }
+}

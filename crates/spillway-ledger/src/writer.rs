@@ -1,0 +1,270 @@
+//! The single writer task and the [`Ledger`] handle the engine holds.
+
+use crate::{AttemptRecord, Error, LedgerBackend, RequestRecord, Result, SqliteBackend};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+/// Most operations folded into one commit. Bigger batches amortise more but make the
+/// durable waiters of the batch wait longer.
+const MAX_BATCH: usize = 2048;
+/// Queued operations before senders wait: backpressure rather than unbounded memory.
+const QUEUE_DEPTH: usize = 65_536;
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+
+enum Op {
+    Request(RequestRecord, Option<oneshot::Sender<Result<()>>>),
+    Attempt(AttemptRecord),
+    Flush(oneshot::Sender<Result<()>>),
+}
+
+/// The engine's handle on the ledger. Cheap to clone.
+#[derive(Clone)]
+pub struct Ledger {
+    tx: mpsc::Sender<Op>,
+    backend: Arc<dyn LedgerBackend>,
+    tasks: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
+}
+
+impl Ledger {
+    /// Opens a SQLite ledger at `path`, turns requests a crash left in `calling_api` into
+    /// `unknown` (I4), and starts the writer.
+    pub async fn open_sqlite(path: &Path) -> Result<Ledger> {
+        let backend = SqliteBackend::open(path).await?;
+        let unknown = backend.mark_interrupted_unknown().await?;
+        if unknown > 0 {
+            tracing::warn!(count = unknown, "requests were calling a provider when the gateway last stopped; marked unknown for an owner to reconcile");
+        }
+        Ok(Ledger::start(Arc::new(backend)))
+    }
+
+    /// Starts the writer over any backend.
+    pub fn start(backend: Arc<dyn LedgerBackend>) -> Ledger {
+        let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
+        let writer = tokio::spawn(write_loop(backend.clone(), rx));
+        let b = backend.clone();
+        let checkpoints = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if let Err(e) = b.maintain().await {
+                    tracing::warn!(error = %e, "ledger checkpoint failed");
+                }
+            }
+        });
+        Ledger { tx, backend, tasks: Arc::new(std::sync::Mutex::new(vec![writer, checkpoints])) }
+    }
+
+    /// Records `rec` and returns once it is committed. Used before an upstream call (I3).
+    pub async fn put_request_durable(&self, rec: RequestRecord) -> Result<()> {
+        let (ack, done) = oneshot::channel();
+        self.tx.send(Op::Request(rec, Some(ack))).await.map_err(|_| Error::WriterStopped)?;
+        done.await.map_err(|_| Error::WriterStopped)?
+    }
+
+    /// Records `rec` with the next commit.
+    pub async fn put_request(&self, rec: RequestRecord) -> Result<()> {
+        self.tx.send(Op::Request(rec, None)).await.map_err(|_| Error::WriterStopped)
+    }
+
+    pub async fn put_attempt(&self, rec: AttemptRecord) -> Result<()> {
+        self.tx.send(Op::Attempt(rec)).await.map_err(|_| Error::WriterStopped)
+    }
+
+    /// Waits until everything queued so far is committed.
+    pub async fn flush(&self) -> Result<()> {
+        let (ack, done) = oneshot::channel();
+        self.tx.send(Op::Flush(ack)).await.map_err(|_| Error::WriterStopped)?;
+        done.await.map_err(|_| Error::WriterStopped)?
+    }
+
+    /// Flushes, then stops the background tasks. Clones of this handle stop working.
+    pub async fn close(&self) -> Result<()> {
+        let r = self.flush().await;
+        let _ = self.backend.maintain().await;
+        for t in self.tasks.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default() {
+            t.abort();
+        }
+        r
+    }
+
+    pub async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>> {
+        self.backend.get_request(id).await
+    }
+
+    pub async fn attempts(&self, request_id: &str) -> Result<Vec<AttemptRecord>> {
+        self.backend.attempts(request_id).await
+    }
+}
+
+async fn write_loop(backend: Arc<dyn LedgerBackend>, mut rx: mpsc::Receiver<Op>) {
+    let mut ops = Vec::with_capacity(MAX_BATCH);
+    loop {
+        // Group commit: wait for one operation, then take whatever else is already queued.
+        if rx.recv_many(&mut ops, MAX_BATCH).await == 0 {
+            return;
+        }
+        let mut requests: Vec<RequestRecord> = Vec::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
+        let mut attempts = Vec::new();
+        let mut acks = Vec::new();
+        for op in ops.drain(..) {
+            match op {
+                Op::Request(rec, ack) => {
+                    // Rows carry their full latest state, so only the last one per id is written.
+                    match index.get(&rec.id) {
+                        Some(&i) => requests[i] = rec,
+                        None => {
+                            index.insert(rec.id.clone(), requests.len());
+                            requests.push(rec);
+                        }
+                    }
+                    if let Some(a) = ack {
+                        acks.push(a);
+                    }
+                }
+                Op::Attempt(a) => attempts.push(a),
+                Op::Flush(a) => acks.push(a),
+            }
+        }
+        let mut result = backend.write_batch(&requests, &attempts).await;
+        if let Err(e) = &result {
+            // One retry covers a transient lock; a second failure is reported to every
+            // durable waiter so the gateway fails closed instead of calling blind.
+            tracing::warn!(error = %e, rows = requests.len() + attempts.len(), "ledger batch failed; retrying once");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            result = backend.write_batch(&requests, &attempts).await;
+            if let Err(e) = &result {
+                tracing::error!(error = %e, rows = requests.len() + attempts.len(), "ledger batch lost");
+            }
+        }
+        for a in acks {
+            let _ = a.send(match &result {
+                Ok(()) => Ok(()),
+                Err(e) => Err(Error::Corrupt(e.to_string())),
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RequestState;
+
+    fn rec(id: &str, state: RequestState) -> RequestRecord {
+        RequestRecord {
+            id: id.into(),
+            trace_id: "0af7651916cd43dd8448eb211c80319c".into(),
+            client_request_id: Some("client-1".into()),
+            upstream_request_id: None,
+            key_name: Some("app".into()),
+            owner: Some("team-a".into()),
+            workflow: None,
+            format: "openai".into(),
+            endpoint: "/v1/chat/completions".into(),
+            route: Some("openai:gpt-4o-mini".into()),
+            channel: Some("openai-a".into()),
+            requested_model: Some("gpt-4o-mini".into()),
+            served_model: Some("gpt-4o-mini".into()),
+            stream: false,
+            state,
+            http_status: None,
+            error_class: None,
+            error_message: None,
+            input_tokens: None,
+            output_tokens: None,
+            cached_input_tokens: None,
+            reasoning_tokens: None,
+            cost_usd: None,
+            received_at: 1,
+            admitted_at: Some(2),
+            first_token_at: None,
+            finished_at: None,
+            queued_ms: None,
+            attempts: 0,
+            body_sha256: Some("ab".into()),
+            partial_output_committed: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn i3_durable_calling_api_then_done() {
+        // spec: I3
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nested/ledger.db");
+        let ledger = Ledger::open_sqlite(&path).await.unwrap();
+        ledger.put_request_durable(rec("r1", RequestState::CallingApi)).await.unwrap();
+        // Visible from another connection as soon as the durable put returns.
+        let got = ledger.get_request("r1").await.unwrap().unwrap();
+        assert_eq!(got.state, RequestState::CallingApi);
+        let mut done = rec("r1", RequestState::Done);
+        done.http_status = Some(200);
+        done.output_tokens = Some(u64::from(u32::MAX) + 5);
+        done.attempts = 1;
+        ledger.put_request(done.clone()).await.unwrap();
+        ledger
+            .put_attempt(AttemptRecord {
+                request_id: "r1".into(),
+                attempt_no: 1,
+                channel: "openai-a".into(),
+                upstream_request_id: Some("up-1".into()),
+                http_status: Some(200),
+                error_class: "success".into(),
+                provider_error_type: None,
+                retry_after_ms: None,
+                message: None,
+                started_at: 2,
+                first_byte_at: Some(3),
+                finished_at: Some(4),
+                input_tokens: Some(5),
+                output_tokens: Some(6),
+            })
+            .await
+            .unwrap();
+        ledger.flush().await.unwrap();
+        assert_eq!(ledger.get_request("r1").await.unwrap().unwrap(), done);
+        assert_eq!(ledger.attempts("r1").await.unwrap()[0].upstream_request_id.as_deref(), Some("up-1"));
+        ledger.close().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn i4_calling_api_becomes_unknown_on_restart() {
+        // spec: I4
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.db");
+        let ledger = Ledger::open_sqlite(&path).await.unwrap();
+        ledger.put_request_durable(rec("r1", RequestState::CallingApi)).await.unwrap();
+        ledger.put_request_durable(rec("r2", RequestState::Done)).await.unwrap();
+        drop(ledger);
+        let reopened = Ledger::open_sqlite(&path).await.unwrap();
+        assert_eq!(reopened.get_request("r1").await.unwrap().unwrap().state, RequestState::Unknown);
+        assert_eq!(reopened.get_request("r2").await.unwrap().unwrap().state, RequestState::Done);
+    }
+
+    #[tokio::test]
+    async fn many_writes_group_commit_and_last_state_wins() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
+        let mut handles = Vec::new();
+        for n in 0..2000 {
+            let l = ledger.clone();
+            handles.push(tokio::spawn(async move {
+                let id = format!("r{n}");
+                l.put_request_durable(rec(&id, RequestState::CallingApi)).await.unwrap();
+                l.put_request(rec(&id, RequestState::Done)).await.unwrap();
+            }));
+        }
+        for h in handles {
+            h.await.unwrap();
+        }
+        ledger.flush().await.unwrap();
+        for n in [0, 999, 1999] {
+            assert_eq!(ledger.get_request(&format!("r{n}")).await.unwrap().unwrap().state, RequestState::Done);
+        }
+    }
+}
