@@ -1,0 +1,372 @@
+//! The simulator's HTTP server: channel prefixes, the control API, faults.
+
+use crate::behavior::{Behavior, ChannelStats, ErrorFlavor, Fault, Scenario};
+use crate::responses;
+use axum::body::Body;
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use spillway_wire::Format;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+/// How long a `hang` without `ms` holds a call: longer than any gateway timeout, bounded
+/// so a forgotten simulator does not hold sockets forever.
+const HANG_FOREVER: Duration = Duration::from_secs(600);
+
+#[derive(Default)]
+struct ChannelState {
+    behavior: Behavior,
+    /// Calls already served by `behavior.script[0]`.
+    used_of_step: u32,
+    stats: ChannelStats,
+}
+
+impl ChannelState {
+    fn next_fault(&mut self) -> Fault {
+        if let Some(step) = self.behavior.script.first().cloned() {
+            self.used_of_step += 1;
+            if self.used_of_step >= step.times {
+                self.behavior.script.remove(0);
+                self.used_of_step = 0;
+            }
+            return step.fault;
+        }
+        self.behavior.fault.clone().unwrap_or(Fault::Ok)
+    }
+}
+
+#[derive(Default)]
+struct SimState {
+    channels: Mutex<BTreeMap<String, ChannelState>>,
+}
+
+impl SimState {
+    fn with<R>(&self, name: &str, f: impl FnOnce(&mut ChannelState) -> R) -> R {
+        let mut map = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        f(map.entry(name.to_owned()).or_default())
+    }
+}
+
+/// A running simulator.
+pub struct SimHandle {
+    pub addr: SocketAddr,
+    state: Arc<SimState>,
+    task: JoinHandle<()>,
+}
+
+impl SimHandle {
+    /// Base URL of the server (the `default` channel).
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Base URL of one channel: configure it as a gateway channel's `base_url`.
+    pub fn channel_url(&self, channel: &str) -> String {
+        format!("http://{}/{channel}", self.addr)
+    }
+
+    pub fn set_behavior(&self, channel: &str, behavior: Behavior) {
+        self.state.with(channel, |c| {
+            c.behavior = behavior;
+            c.used_of_step = 0;
+        });
+    }
+
+    pub fn stats(&self, channel: &str) -> ChannelStats {
+        self.state.with(channel, |c| c.stats.clone())
+    }
+
+    pub fn shutdown(&self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts a simulator on `listen` (port 0 picks a free port) with `scenario`.
+pub async fn start(listen: SocketAddr, scenario: Scenario) -> crate::Result<SimHandle> {
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| crate::Error::Listen { addr: listen.to_string(), source })?;
+    let addr = listener.local_addr().map_err(|source| crate::Error::Listen { addr: listen.to_string(), source })?;
+    let state = Arc::new(SimState::default());
+    for (name, b) in scenario.channels {
+        state.with(&name, |c| c.behavior = b);
+    }
+    let st = state.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let st = st.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| handle(st.clone(), req));
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    Ok(SimHandle { addr, state, task })
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(v.to_string()))
+        .unwrap_or_default()
+}
+
+/// Keeps `in_flight` honest however the call ends, including a client that goes away
+/// mid-stream.
+struct InFlight {
+    state: Arc<SimState>,
+    channel: String,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.state.with(&self.channel, |c| c.stats.in_flight = c.stats.in_flight.saturating_sub(1));
+    }
+}
+
+enum Endpoint {
+    Generate { format: Format, model: Option<String>, stream_from_path: bool, gemini_sse: bool },
+    ListModels,
+}
+
+fn endpoint(method: &Method, rest: &str, query: &str) -> Option<Endpoint> {
+    if method == Method::GET && rest == "/v1/models" {
+        return Some(Endpoint::ListModels);
+    }
+    if method != Method::POST {
+        return None;
+    }
+    match rest {
+        "/v1/chat/completions" => Some(Endpoint::Generate { format: Format::OpenAi, model: None, stream_from_path: false, gemini_sse: false }),
+        "/v1/messages" => Some(Endpoint::Generate { format: Format::Anthropic, model: None, stream_from_path: false, gemini_sse: false }),
+        _ => {
+            let tail = rest.strip_prefix("/v1beta/models/").or_else(|| rest.strip_prefix("/v1/models/"))?;
+            let (model, action) = tail.rsplit_once(':')?;
+            let stream = match action {
+                "generateContent" => false,
+                "streamGenerateContent" => true,
+                _ => return None,
+            };
+            Some(Endpoint::Generate {
+                format: Format::Gemini,
+                model: Some(model.to_owned()),
+                stream_from_path: stream,
+                gemini_sse: query.split('&').any(|kv| kv == "alt=sse"),
+            })
+        }
+    }
+}
+
+async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response<Body>, std::io::Error> {
+    let path = req.uri().path().to_owned();
+    let query = req.uri().query().unwrap_or_default().to_owned();
+    if let Some(ctl) = path.strip_prefix("/_control") {
+        return Ok(control(&state, req.method().clone(), ctl.to_owned(), req.into_body()).await);
+    }
+    let (channel, rest) = {
+        let trimmed = path.trim_start_matches('/');
+        let first = trimmed.split('/').next().unwrap_or_default();
+        if first == "v1" || first == "v1beta" {
+            ("default".to_owned(), path.clone())
+        } else {
+            (first.to_owned(), format!("/{}", trimmed.split_once('/').map(|(_, r)| r).unwrap_or_default()))
+        }
+    };
+    let Some(ep) = endpoint(req.method(), &rest, &query) else {
+        return Ok(json_response(StatusCode::NOT_FOUND, &json!({"error": {"message": format!("simulator has no endpoint {} {rest}", req.method())}})));
+    };
+    let body = match req.into_body().collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return Err(std::io::Error::other(e)),
+    };
+    let (behavior, fault) = state.with(&channel, |c| {
+        c.stats.calls += 1;
+        c.stats.in_flight += 1;
+        c.stats.max_in_flight = c.stats.max_in_flight.max(c.stats.in_flight);
+        let f = c.next_fault();
+        if f != Fault::Ok {
+            c.stats.faults += 1;
+        }
+        (c.behavior.clone(), f)
+    });
+    let guard = InFlight { state: state.clone(), channel: channel.clone() };
+
+    let Endpoint::Generate { format, model, stream_from_path, gemini_sse } = ep else {
+        drop(guard);
+        return Ok(json_response(StatusCode::OK, &json!({"object": "list", "data": []})));
+    };
+
+    if fault == Fault::Refuse {
+        // Returning an error makes hyper drop the connection without a response.
+        return Err(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "simulated refusal"));
+    }
+    if behavior.latency_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(behavior.latency_ms)).await;
+    }
+    if let Fault::Hang { ms } = fault {
+        tokio::time::sleep(ms.map(Duration::from_millis).unwrap_or(HANG_FOREVER)).await;
+    }
+
+    let parsed: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let model = model.or_else(|| parsed.get("model").and_then(Value::as_str).map(str::to_owned)).unwrap_or_default();
+    let stream = stream_from_path || parsed.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = format != Format::OpenAi
+        || parsed.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
+    let prompt_tokens = (body.len() as u64).div_ceil(4).max(1);
+
+    let mut builder = Response::builder().header(format.upstream_request_id_header(), responses::id("req_"));
+    if let Some(r) = &behavior.ratelimit {
+        for (k, v) in responses::ratelimit_headers(format, r) {
+            builder = builder.header(k, v);
+        }
+    }
+
+    match fault {
+        Fault::Status { status, error, retry_after_s, retry_after_date_s, retry_delay, message } => {
+            let flavor = error.unwrap_or_else(|| ErrorFlavor::for_status(status));
+            let msg = message.unwrap_or_else(|| format!("simulated {status} from channel {channel}"));
+            let v = responses::error(format, status, flavor, &msg, retry_delay.as_deref());
+            if let Some(s) = retry_after_s {
+                builder = builder.header(header::RETRY_AFTER, s.to_string());
+            }
+            if let Some(s) = retry_after_date_s {
+                builder = builder.header(header::RETRY_AFTER, httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(s)));
+            }
+            drop(guard);
+            return Ok(builder
+                .status(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(v.to_string()))
+                .unwrap_or_default());
+        }
+        Fault::MalformedBody => {
+            drop(guard);
+            return Ok(builder
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from("{\"id\": \"chatcmpl-trunc"))
+                .unwrap_or_default());
+        }
+        _ => {}
+    }
+
+    let n = behavior.output_tokens;
+    if !stream {
+        drop(guard);
+        let v = responses::body(format, &model, prompt_tokens, n);
+        return Ok(builder.header(header::CONTENT_TYPE, "application/json").body(Body::from(v.to_string())).unwrap_or_default());
+    }
+
+    let plan = responses::stream(format, &model, prompt_tokens, n, include_usage);
+    if format == Format::Gemini && !gemini_sse {
+        // Without alt=sse Gemini streams one JSON array.
+        drop(guard);
+        let items: Vec<Value> = plan.tokens.iter().filter_map(|e| serde_json::from_str(e.trim().trim_start_matches("data: ")).ok()).collect();
+        return Ok(builder.header(header::CONTENT_TYPE, "application/json").body(Body::from(Value::Array(items).to_string())).unwrap_or_default());
+    }
+    let gap = behavior.tokens_per_second.filter(|t| *t > 0.0).map(|t| Duration::from_secs_f64(1.0 / t));
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
+    tokio::spawn(async move {
+        let _guard = guard;
+        let cut = match fault {
+            Fault::CutBeforeFirstToken => Some(0),
+            Fault::CutAfterFirstToken { after_tokens } => Some(after_tokens.max(1) as usize),
+            _ => None,
+        };
+        for e in plan.head {
+            if tx.send(Ok(Bytes::from(e))).await.is_err() {
+                return;
+            }
+        }
+        for (i, e) in plan.tokens.into_iter().enumerate() {
+            if cut == Some(i) {
+                let _ = tx.send(Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "simulated cut"))).await;
+                return;
+            }
+            if let Some(g) = gap {
+                tokio::time::sleep(g).await;
+            }
+            if tx.send(Ok(Bytes::from(e))).await.is_err() {
+                return;
+            }
+        }
+        if cut.is_some() {
+            let _ = tx.send(Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "simulated cut"))).await;
+            return;
+        }
+        for e in plan.tail {
+            if tx.send(Ok(Bytes::from(e))).await.is_err() {
+                return;
+            }
+        }
+    });
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    Ok(builder
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(body)
+        .unwrap_or_default())
+}
+
+async fn control(state: &SimState, method: Method, path: String, body: Incoming) -> Response<Body> {
+    let parts: Vec<&str> = path.trim_matches('/').split('/').filter(|s| !s.is_empty()).collect();
+    let view = |c: &ChannelState| json!({"behavior": c.behavior, "stats": c.stats});
+    match (method.clone(), parts.as_slice()) {
+        (Method::GET, ["channels"]) => {
+            let map = state.channels.lock().unwrap_or_else(|p| p.into_inner());
+            let all: serde_json::Map<String, Value> = map.iter().map(|(k, c)| (k.clone(), view(c))).collect();
+            json_response(StatusCode::OK, &Value::Object(all))
+        }
+        (Method::GET, ["channels", name]) => json_response(StatusCode::OK, &state.with(name, |c| view(c))),
+        (Method::PUT, ["channels", name]) => {
+            let bytes = match body.collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(e) => return json_response(StatusCode::BAD_REQUEST, &json!({"error": e.to_string()})),
+            };
+            match serde_json::from_slice::<Behavior>(&bytes) {
+                Ok(b) => json_response(
+                    StatusCode::OK,
+                    &state.with(name, |c| {
+                        c.behavior = b;
+                        c.used_of_step = 0;
+                        view(c)
+                    }),
+                ),
+                Err(e) => json_response(StatusCode::BAD_REQUEST, &json!({"error": format!("invalid behavior: {e}")})),
+            }
+        }
+        (Method::POST, ["channels", name, "reset-stats"]) => json_response(
+            StatusCode::OK,
+            &state.with(name, |c| {
+                c.stats = ChannelStats { in_flight: c.stats.in_flight, ..Default::default() };
+                view(c)
+            }),
+        ),
+        (Method::DELETE, ["channels", name]) => {
+            state.channels.lock().unwrap_or_else(|p| p.into_inner()).remove(*name);
+            json_response(StatusCode::OK, &json!({"deleted": name}))
+        }
+        _ => json_response(StatusCode::NOT_FOUND, &json!({"error": format!("no control endpoint {method} /_control{path}")})),
+    }
+}
