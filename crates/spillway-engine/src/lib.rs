@@ -1,1 +1,96 @@
-//! placeholder
+//! The gateway. A request flows one way through these modules:
+//! [`ingress`] (wire format, auth, size and shape checks) → [`routing`] (channels that
+//! speak the format and serve the model, capacity) → [`upstream`] (the attempt, its
+//! classification, streaming pass-through) → the ledger, written at each state change.
+//! [`error`] is the one place where a gateway error becomes a status and a body in the
+//! caller's format; [`embedded`] builds the zero-config default (simulated or real
+//! providers) that `spillway serve` and the desktop shell start with.
+
+pub mod embedded;
+pub mod error;
+pub mod ingress;
+pub mod routing;
+pub mod state;
+pub mod trace;
+pub mod upstream;
+
+pub use error::GatewayError;
+pub use state::AppState;
+
+use spillway_ledger::Ledger;
+use spillway_policy::Config;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Ledger(#[from] spillway_ledger::Error),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: SocketAddr, source: std::io::Error },
+    #[error("cannot build the upstream HTTP client: {0}")]
+    Client(String),
+    #[error(transparent)]
+    Sim(#[from] spillway_sim::Error),
+    #[error("no data directory: set SPILLWAY_DATA_DIR or HOME")]
+    NoDataDir,
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// The directory for the default ledger, the admin token and other local state:
+/// `$SPILLWAY_DATA_DIR`, else the platform's user data directory + `spillway`.
+pub fn data_dir() -> Result<PathBuf> {
+    if let Some(d) = std::env::var_os("SPILLWAY_DATA_DIR").filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(d));
+    }
+    dirs::data_dir().map(|d| d.join("spillway")).ok_or(Error::NoDataDir)
+}
+
+/// A gateway that is accepting connections.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub state: Arc<AppState>,
+    stop: Option<oneshot::Sender<()>>,
+    server: JoinHandle<std::io::Result<()>>,
+}
+
+impl Running {
+    /// Stops accepting, lets in-flight requests (streams included) finish, then flushes
+    /// the ledger.
+    pub async fn shutdown(mut self) -> Result<()> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = (&mut self.server).await;
+        self.state.ledger.close().await?;
+        Ok(())
+    }
+}
+
+/// Opens the ledger and starts serving `config` on `listen` (or the config's address).
+pub async fn start(config: Config, ledger_path: PathBuf, listen: Option<SocketAddr>) -> Result<Running> {
+    let ledger = Ledger::open_sqlite(&ledger_path).await?;
+    let addr = listen.unwrap_or(config.listen);
+    let state = Arc::new(AppState::new(config, ledger)?);
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
+    let addr = listener.local_addr().map_err(|source| Error::Listen { addr, source })?;
+    let app = ingress::router(state.clone());
+    let (stop, stopped) = oneshot::channel::<()>();
+    use axum::serve::ListenerExt;
+    // Without TCP_NODELAY small keep-alive responses wait ~40 ms on the client's delayed ACK.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    Ok(Running { addr, state, stop: Some(stop), server })
+}

@@ -17,6 +17,8 @@ pub enum ErrorKind {
     InsufficientQuota,
     /// 404: no such endpoint, or no channel serves the model.
     NotFound,
+    /// 405: the endpoint exists but not for this method.
+    MethodNotAllowed,
     /// 413: body over the configured limit.
     PayloadTooLarge,
     /// 429: a key's limits, or upstream capacity.
@@ -34,6 +36,7 @@ impl ErrorKind {
             ErrorKind::Authentication => 401,
             ErrorKind::InsufficientQuota => 402,
             ErrorKind::NotFound => 404,
+            ErrorKind::MethodNotAllowed => 405,
             ErrorKind::PayloadTooLarge => 413,
             ErrorKind::RateLimited => 429,
             ErrorKind::Upstream => 502,
@@ -57,6 +60,7 @@ impl ErrorKind {
             ErrorKind::Authentication => ("invalid_request_error", Some("invalid_api_key")),
             ErrorKind::InsufficientQuota => ("insufficient_quota", Some("insufficient_quota")),
             ErrorKind::NotFound => ("invalid_request_error", Some("not_found")),
+            ErrorKind::MethodNotAllowed => ("invalid_request_error", Some("method_not_allowed")),
             ErrorKind::PayloadTooLarge => ("invalid_request_error", Some("request_too_large")),
             ErrorKind::RateLimited => ("rate_limit_exceeded", Some("rate_limit_exceeded")),
             ErrorKind::Upstream => ("api_error", Some("api_error")),
@@ -66,7 +70,7 @@ impl ErrorKind {
 
     fn anthropic(self) -> &'static str {
         match self {
-            ErrorKind::InvalidRequest => "invalid_request_error",
+            ErrorKind::InvalidRequest | ErrorKind::MethodNotAllowed => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::InsufficientQuota => "billing_error",
             ErrorKind::NotFound => "not_found_error",
@@ -79,7 +83,7 @@ impl ErrorKind {
 
     fn gemini(self) -> &'static str {
         match self {
-            ErrorKind::InvalidRequest | ErrorKind::PayloadTooLarge => "INVALID_ARGUMENT",
+            ErrorKind::InvalidRequest | ErrorKind::PayloadTooLarge | ErrorKind::MethodNotAllowed => "INVALID_ARGUMENT",
             ErrorKind::Authentication => "UNAUTHENTICATED",
             ErrorKind::InsufficientQuota | ErrorKind::RateLimited => "RESOURCE_EXHAUSTED",
             ErrorKind::NotFound => "NOT_FOUND",

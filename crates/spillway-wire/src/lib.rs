@@ -10,7 +10,7 @@ pub mod signal;
 pub mod sse;
 pub mod usage;
 
-pub use error_body::{ErrorKind, error_body};
+pub use error_body::{ErrorKind, error_body, stream_error_event};
 pub use format::Format;
 pub use request::{ParsedRequest, RequestError, parse_request};
 pub use signal::{ErrorClass, Signal, parse_retry_after};

@@ -1,0 +1,494 @@
+//! The upstream attempt: the call to the chosen channel, the classification of its
+//! outcome (E1), the response to the client (pass-through, streaming event by event, H1)
+//! and the ledger records that close the request.
+
+use crate::error::GatewayError;
+use crate::ingress::now_ms;
+use crate::routing::Admitted;
+use crate::state::AppState;
+use crate::trace::TraceContext;
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use futures_util::Stream;
+use http::request::Parts;
+use http::{HeaderMap, HeaderValue, StatusCode, header};
+use serde_json::Value;
+use spillway_ledger::{AttemptRecord, Ledger, RequestRecord, RequestState};
+use spillway_wire::signal::{ErrorClass, Signal, classify_response};
+use spillway_wire::{ErrorKind, Format, ParsedRequest, SseEvent, SseParser, Usage, stream_error_event};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+use tokio::sync::OwnedSemaphorePermit;
+
+/// Request headers a provider needs from its client; everything else stays at the gateway
+/// (the client's own credentials above all).
+const FORWARDED_HEADERS: &[&str] = &["anthropic-version", "anthropic-beta", "openai-beta", "tracestate", "accept"];
+/// Longest provider error message kept in the ledger.
+const MAX_MESSAGE: usize = 512;
+
+fn truncate(s: String) -> String {
+    if s.len() <= MAX_MESSAGE {
+        return s;
+    }
+    let mut end = MAX_MESSAGE;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_owned()
+}
+
+fn upstream_url(base: &str, format: Format, uri: &http::Uri) -> String {
+    let query: Vec<&str> = uri
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        // The client's Gemini key (`?key=`) is the gateway's, not the provider's.
+        .filter(|kv| !(format == Format::Gemini && kv.starts_with("key=")))
+        .collect();
+    if query.is_empty() { format!("{base}{}", uri.path()) } else { format!("{base}{}?{}", uri.path(), query.join("&")) }
+}
+
+/// The A7 headers, on success and on failures after admission alike.
+fn gateway_headers(h: &mut HeaderMap, rec: &RequestRecord) {
+    let mut set = |name: &'static str, v: &str| {
+        if let Ok(v) = HeaderValue::from_str(v) {
+            h.insert(name, v);
+        }
+    };
+    set("x-spillway-attempts", &rec.attempts.to_string());
+    if let Some(m) = &rec.served_model {
+        set("x-spillway-served-model", m);
+    }
+    if let Some(r) = &rec.route {
+        set("x-spillway-route", r);
+    }
+    if let Some(c) = &rec.channel {
+        set("x-spillway-channel", c);
+    }
+    if let Some(q) = rec.queued_ms {
+        set("x-spillway-queued-ms", &q.to_string());
+    }
+    if let Some(u) = &rec.upstream_request_id {
+        set("x-spillway-upstream-request-id", u);
+    }
+}
+
+/// What the client sees for a failed attempt, and the ledger's message for it.
+fn client_error(signal: &Signal, channel: &str, timeout_ms: u64) -> GatewayError {
+    let (kind, message) = match signal.class {
+        ErrorClass::RateLimit => (ErrorKind::RateLimited, format!("Upstream channel `{channel}` is rate limiting this model. Retry after the indicated delay.")),
+        ErrorClass::Overload => (ErrorKind::RateLimited, format!("Upstream channel `{channel}` is overloaded. Retry shortly.")),
+        ErrorClass::Quota => (ErrorKind::Upstream, format!("Upstream channel `{channel}` has run out of provider quota or billing credit.")),
+        ErrorClass::Auth => (ErrorKind::Upstream, format!("Upstream channel `{channel}` rejected the gateway's provider credential; an operator must fix the channel.")),
+        ErrorClass::Timeout => (ErrorKind::Upstream, format!("Upstream channel `{channel}` did not answer within {timeout_ms} ms.")),
+        ErrorClass::Unreachable => (ErrorKind::Upstream, format!("Upstream channel `{channel}` is unreachable.")),
+        ErrorClass::MalformedResponse => (ErrorKind::Upstream, format!("Upstream channel `{channel}` returned a malformed response.")),
+        ErrorClass::StreamInterrupted => (ErrorKind::Upstream, format!("Upstream channel `{channel}` broke off the stream before any output.")),
+        _ => (
+            ErrorKind::Upstream,
+            match signal.http_status {
+                Some(s) => format!("Upstream channel `{channel}` failed with HTTP {s}."),
+                None => format!("Upstream channel `{channel}` failed."),
+            },
+        ),
+    };
+    GatewayError::Upstream { kind, message, retry_after_ms: signal.retry_after_ms }
+}
+
+fn attempt_record(rec: &RequestRecord, channel: &str, started_at: i64) -> AttemptRecord {
+    AttemptRecord {
+        request_id: rec.id.clone(),
+        attempt_no: rec.attempts,
+        channel: channel.to_owned(),
+        upstream_request_id: None,
+        http_status: None,
+        error_class: ErrorClass::Unknown.as_str().to_owned(),
+        provider_error_type: None,
+        retry_after_ms: None,
+        message: None,
+        started_at,
+        first_byte_at: None,
+        finished_at: None,
+        input_tokens: None,
+        output_tokens: None,
+    }
+}
+
+fn apply_signal(att: &mut AttemptRecord, s: &Signal) {
+    att.http_status = s.http_status;
+    att.error_class = s.class.as_str().to_owned();
+    att.provider_error_type = s.provider_error_type.clone();
+    att.retry_after_ms = s.retry_after_ms;
+    // P3: a provider's auth error may quote part of the channel's key; keep none of it.
+    att.message = if s.class == ErrorClass::Auth { None } else { s.message.clone().map(truncate) };
+}
+
+fn apply_usage(rec: &mut RequestRecord, att: &mut AttemptRecord, u: &Usage) {
+    rec.input_tokens = u.input_tokens;
+    rec.output_tokens = u.output_tokens;
+    rec.cached_input_tokens = u.cached_input_tokens;
+    rec.reasoning_tokens = u.reasoning_tokens;
+    att.input_tokens = u.input_tokens;
+    att.output_tokens = u.output_tokens;
+}
+
+async fn record(ledger: &Ledger, rec: RequestRecord, att: AttemptRecord) {
+    if let Err(e) = ledger.put_attempt(att).await {
+        tracing::error!(error = %e, "could not record an attempt");
+    }
+    if let Err(e) = ledger.put_request(rec).await {
+        tracing::error!(error = %e, "could not record a request");
+    }
+}
+
+async fn fail(st: &AppState, mut rec: RequestRecord, mut att: AttemptRecord, signal: Signal, channel: &str, timeout_ms: u64, format: Format) -> Response {
+    apply_signal(&mut att, &signal);
+    att.finished_at = Some(now_ms());
+    let err = client_error(&signal, channel, timeout_ms);
+    rec.state = RequestState::Failed;
+    rec.http_status = Some(err.kind().status());
+    rec.error_class = Some(signal.class.as_str().to_owned());
+    rec.error_message = Some(err.to_string());
+    rec.finished_at = att.finished_at;
+    let mut resp = err.into_response(format);
+    gateway_headers(resp.headers_mut(), &rec);
+    record(&st.ledger, rec, att).await;
+    resp
+}
+
+#[allow(clippy::too_many_arguments)]
+pub async fn run(
+    st: &Arc<AppState>,
+    mut rec: RequestRecord,
+    admitted: Admitted<'_>,
+    format: Format,
+    parts: &Parts,
+    body: Bytes,
+    parsed: ParsedRequest,
+    trace: TraceContext,
+) -> Response {
+    let ch = &admitted.channel.cfg;
+    let timeout_ms = ch.timeout_ms.unwrap_or(st.config.attempt_timeout_ms);
+    let timeout = Duration::from_millis(timeout_ms);
+    rec.state = RequestState::CallingApi;
+    rec.admitted_at = Some(now_ms());
+    rec.queued_ms = admitted.queued_ms;
+    rec.channel = Some(ch.name.clone());
+    rec.served_model = Some(parsed.model.clone());
+    rec.attempts = 1;
+    // I3: the request is durably `calling_api` before anything leaves for the provider.
+    if let Err(e) = st.ledger.put_request_durable(rec.clone()).await {
+        tracing::error!(error = %e, request_id = %rec.id, "ledger unavailable; refusing to call upstream");
+        return GatewayError::LedgerUnavailable.into_response(format);
+    }
+
+    let mut rb = st
+        .client
+        .post(upstream_url(&ch.base_url, format, &parts.uri))
+        .header(header::CONTENT_TYPE, "application/json")
+        .header("traceparent", trace.traceparent())
+        .body(body);
+    for name in FORWARDED_HEADERS {
+        if let Some(v) = parts.headers.get(*name) {
+            rb = rb.header(*name, v.clone());
+        }
+    }
+    if format == Format::Anthropic && !parts.headers.contains_key("anthropic-version") {
+        rb = rb.header("anthropic-version", "2023-06-01");
+    }
+    if let Some(key) = &ch.api_key {
+        rb = match format {
+            Format::OpenAi => rb.bearer_auth(key),
+            Format::Anthropic => rb.header("x-api-key", key),
+            Format::Gemini => rb.header("x-goog-api-key", key),
+        };
+    }
+
+    let started_at = now_ms();
+    let mut att = attempt_record(&rec, &ch.name, started_at);
+    let resp = match tokio::time::timeout(timeout, rb.send()).await {
+        Err(_) => {
+            let s = Signal::transport(ErrorClass::Timeout, format!("no response headers within {timeout_ms} ms"));
+            return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
+        }
+        Ok(Err(e)) => {
+            let class = if e.is_timeout() { ErrorClass::Timeout } else { ErrorClass::Unreachable };
+            // reqwest's message names the URL, which holds no secret; keep the cause chain short.
+            let s = Signal::transport(class, truncate(format!("{e}")));
+            return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
+        }
+        Ok(Ok(r)) => r,
+    };
+    att.first_byte_at = Some(now_ms());
+    let status = resp.status();
+    let up_headers = resp.headers().clone();
+    let upstream_request_id = up_headers
+        .get(format.upstream_request_id_header())
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| v.len() <= 256)
+        .map(str::to_owned);
+    att.upstream_request_id = upstream_request_id.clone();
+    rec.upstream_request_id = upstream_request_id;
+    let lookup = |name: &str| up_headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+
+    if status.is_success() && parsed.stream {
+        let content_type = up_headers.get(header::CONTENT_TYPE).cloned().unwrap_or(HeaderValue::from_static("text/event-stream"));
+        let mut out = Response::new(Body::empty());
+        *out.status_mut() = StatusCode::OK;
+        let h = out.headers_mut();
+        h.insert(header::CONTENT_TYPE, content_type);
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+        gateway_headers(h, &rec);
+        let observed = Observed {
+            inner: Box::pin(resp.bytes_stream()),
+            parser: SseParser::new(),
+            usage: Usage::default(),
+            format,
+            first_token_at: None,
+            stream_error: None,
+            rec: Some(rec),
+            att: Some(att),
+            ledger: st.ledger.clone(),
+            permit: Some(admitted.permit),
+            idle: Box::pin(tokio::time::sleep(timeout)),
+            idle_timeout: timeout,
+            finished: false,
+        };
+        *out.body_mut() = Body::from_stream(observed);
+        return out;
+    }
+
+    let body = match tokio::time::timeout(timeout, resp.bytes()).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => {
+            let s = Signal::transport(ErrorClass::StreamInterrupted, truncate(format!("reading the response body: {e}")));
+            return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
+        }
+        Err(_) => {
+            let s = Signal::transport(ErrorClass::Timeout, format!("response body not complete within {timeout_ms} ms"));
+            return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
+        }
+    };
+    let signal = classify_response(format, status.as_u16(), &lookup, &body, SystemTime::now());
+    match signal.class {
+        ErrorClass::Success => {
+            let usage = Usage::from_body(format, &body);
+            apply_usage(&mut rec, &mut att, &usage);
+            apply_signal(&mut att, &signal);
+            let now = now_ms();
+            att.finished_at = Some(now);
+            rec.first_token_at = att.first_byte_at;
+            rec.finished_at = Some(now);
+            rec.state = RequestState::Done;
+            rec.http_status = Some(status.as_u16());
+            let mut out = Response::new(Body::from(body));
+            *out.status_mut() = status;
+            let h = out.headers_mut();
+            h.insert(header::CONTENT_TYPE, up_headers.get(header::CONTENT_TYPE).cloned().unwrap_or(HeaderValue::from_static("application/json")));
+            gateway_headers(h, &rec);
+            record(&st.ledger, rec, att).await;
+            out
+        }
+        ErrorClass::InvalidRequest => {
+            // D3: the provider's own 400/404/413/422 goes back as it came; retrying cannot help.
+            apply_signal(&mut att, &signal);
+            att.finished_at = Some(now_ms());
+            rec.state = RequestState::Failed;
+            rec.http_status = Some(status.as_u16());
+            rec.error_class = Some(signal.class.as_str().to_owned());
+            rec.error_message = signal.message.clone().map(truncate);
+            rec.finished_at = att.finished_at;
+            let mut out = Response::new(Body::from(body));
+            *out.status_mut() = status;
+            let h = out.headers_mut();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            h.insert("x-should-retry", HeaderValue::from_static("false"));
+            gateway_headers(h, &rec);
+            record(&st.ledger, rec, att).await;
+            out
+        }
+        _ => fail(st, rec, att, signal, &ch.name, timeout_ms, format).await,
+    }
+}
+
+/// Does this stream event carry visible output (the "first token", H2)?
+fn carries_output(format: Format, ev: &SseEvent, json: Option<&Value>) -> bool {
+    match format {
+        Format::Anthropic => matches!(ev.event.as_deref(), Some("content_block_delta")),
+        Format::OpenAi => json
+            .and_then(|v| v.pointer("/choices/0/delta"))
+            .is_some_and(|d| {
+                d.get("content").and_then(Value::as_str).is_some_and(|s| !s.is_empty())
+                    || d.get("tool_calls").is_some_and(|t| !t.is_null())
+                    || d.get("refusal").and_then(Value::as_str).is_some_and(|s| !s.is_empty())
+            }),
+        Format::Gemini => json
+            .and_then(|v| v.pointer("/candidates/0/content/parts"))
+            .and_then(Value::as_array)
+            .is_some_and(|p| !p.is_empty()),
+    }
+}
+
+/// An in-stream error the provider sent as an event (Anthropic `event: error`, an
+/// OpenAI/Gemini data line with an `error` object).
+fn stream_error(ev: &SseEvent, json: Option<&Value>) -> Option<String> {
+    let err = json?.get("error")?;
+    if ev.event.as_deref().is_some_and(|e| e != "error") {
+        return None;
+    }
+    Some(
+        err.get("message")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .unwrap_or_else(|| err.to_string()),
+    )
+}
+
+/// The upstream stream, passed through chunk by chunk while a copy goes through the SSE
+/// parser to note the first token, usage and errors. When the stream ends — normally, by
+/// an upstream failure, or because the client went away (drop) — it closes the request in
+/// the ledger and frees the channel slot.
+struct Observed {
+    inner: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    parser: SseParser,
+    usage: Usage,
+    format: Format,
+    first_token_at: Option<i64>,
+    stream_error: Option<String>,
+    rec: Option<RequestRecord>,
+    att: Option<AttemptRecord>,
+    ledger: Ledger,
+    permit: Option<OwnedSemaphorePermit>,
+    /// Fires when the upstream sends nothing for `idle_timeout`.
+    idle: Pin<Box<tokio::time::Sleep>>,
+    idle_timeout: Duration,
+    finished: bool,
+}
+
+enum End {
+    Complete,
+    Broken(ErrorClass, String),
+    ClientGone,
+}
+
+impl Observed {
+    fn observe(&mut self, chunk: &[u8]) {
+        for ev in self.parser.push(chunk) {
+            if ev.data == "[DONE]" || ev.data.is_empty() {
+                continue;
+            }
+            let looks_relevant = self.first_token_at.is_none()
+                || ev.data.contains("usage")
+                || ev.data.contains("\"error\"")
+                || ev.event.as_deref() == Some("error");
+            if !looks_relevant {
+                continue;
+            }
+            let json: Option<Value> = serde_json::from_str(&ev.data).ok();
+            if self.first_token_at.is_none() && carries_output(self.format, &ev, json.as_ref()) {
+                self.first_token_at = Some(now_ms());
+            }
+            if let Some(v) = &json {
+                self.usage.merge(Usage::from_json(self.format, v));
+            }
+            if let Some(m) = stream_error(&ev, json.as_ref()) {
+                self.stream_error = Some(m);
+            }
+        }
+    }
+
+    fn finish(&mut self, end: End) {
+        self.finished = true;
+        self.permit.take();
+        let (Some(mut rec), Some(mut att)) = (self.rec.take(), self.att.take()) else {
+            return;
+        };
+        let now = now_ms();
+        apply_usage(&mut rec, &mut att, &self.usage);
+        rec.first_token_at = self.first_token_at;
+        rec.finished_at = Some(now);
+        att.finished_at = Some(now);
+        att.http_status = Some(200);
+        let failure = match end {
+            End::Complete => self.stream_error.take().map(|m| (ErrorClass::Unknown, format!("provider sent an error event: {m}"))),
+            End::Broken(class, m) => Some((class, m)),
+            End::ClientGone => Some((ErrorClass::Unknown, "client disconnected before the stream ended".to_owned())),
+        };
+        match failure {
+            None => {
+                rec.state = RequestState::Done;
+                rec.http_status = Some(200);
+                att.error_class = ErrorClass::Success.as_str().to_owned();
+            }
+            Some((class, message)) => {
+                rec.state = RequestState::Failed;
+                rec.http_status = Some(200);
+                // H2: output the client already saw is committed; it is never replayed.
+                rec.partial_output_committed = self.first_token_at.is_some();
+                let class_name = if message.starts_with("client disconnected") { "client_disconnected" } else { class.as_str() };
+                rec.error_class = Some(class_name.to_owned());
+                rec.error_message = Some(truncate(message.clone()));
+                att.error_class = class_name.to_owned();
+                att.message = Some(truncate(message));
+            }
+        }
+        let ledger = self.ledger.clone();
+        tokio::spawn(async move { record(&ledger, rec, att).await });
+    }
+
+    fn error_event(&self, message: &str) -> Bytes {
+        let id = self.rec.as_ref().map(|r| r.id.as_str()).unwrap_or_default();
+        Bytes::from(stream_error_event(self.format, ErrorKind::Upstream, message, id))
+    }
+}
+
+impl Stream for Observed {
+    type Item = Result<Bytes, std::io::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.finished {
+            return Poll::Ready(None);
+        }
+        match self.inner.as_mut().poll_next(cx) {
+            Poll::Ready(Some(Ok(chunk))) => {
+                let deadline = tokio::time::Instant::now() + self.idle_timeout;
+                self.idle.as_mut().reset(deadline);
+                self.observe(&chunk);
+                Poll::Ready(Some(Ok(chunk)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                let msg = format!("upstream stream broke off: {e}");
+                let ev = self.error_event("The upstream stream broke off");
+                self.finish(End::Broken(ErrorClass::StreamInterrupted, msg));
+                Poll::Ready(Some(Ok(ev)))
+            }
+            Poll::Ready(None) => {
+                self.finish(End::Complete);
+                Poll::Ready(None)
+            }
+            Poll::Pending => match self.idle.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    let ms = self.idle_timeout.as_millis();
+                    let ev = self.error_event(&format!("The upstream stream stalled for {ms} ms"));
+                    self.finish(End::Broken(ErrorClass::Timeout, format!("upstream sent nothing for {ms} ms")));
+                    Poll::Ready(Some(Ok(ev)))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+}
+
+impl Drop for Observed {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.finish(End::ClientGone);
+        }
+    }
+}
