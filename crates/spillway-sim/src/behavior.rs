@@ -151,4 +151,9 @@ pub struct ChannelStats {
     pub max_in_flight: u64,
     /// Calls that got a fault other than `ok`.
     pub faults: u64,
+    /// Path and query of the last provider call, as received.
+    pub last_path: Option<String>,
+    /// A few headers of the last provider call (trace context, credentials, versions), so
+    /// tests can check what the gateway forwards and what it keeps back.
+    pub last_headers: std::collections::BTreeMap<String, String>,
 }

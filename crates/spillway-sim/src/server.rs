@@ -21,6 +21,9 @@ use tokio::task::JoinHandle;
 /// so a forgotten simulator does not hold sockets forever.
 const HANG_FOREVER: Duration = Duration::from_secs(600);
 
+const RECORDED_HEADERS: &[&str] =
+    &["traceparent", "tracestate", "authorization", "x-api-key", "x-goog-api-key", "anthropic-version", "anthropic-beta"];
+
 #[derive(Default)]
 struct ChannelState {
     behavior: Behavior,
@@ -194,6 +197,11 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
             (first.to_owned(), format!("/{}", trimmed.split_once('/').map(|(_, r)| r).unwrap_or_default()))
         }
     };
+    let seen_path = if query.is_empty() { rest.clone() } else { format!("{rest}?{query}") };
+    let seen_headers: BTreeMap<String, String> = RECORDED_HEADERS
+        .iter()
+        .filter_map(|h| Some((h.to_string(), req.headers().get(*h)?.to_str().ok()?.to_owned())))
+        .collect();
     let Some(ep) = endpoint(req.method(), &rest, &query) else {
         return Ok(json_response(StatusCode::NOT_FOUND, &json!({"error": {"message": format!("simulator has no endpoint {} {rest}", req.method())}})));
     };
@@ -203,6 +211,8 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
     };
     let (behavior, fault) = state.with(&channel, |c| {
         c.stats.calls += 1;
+        c.stats.last_path = Some(seen_path);
+        c.stats.last_headers = seen_headers;
         c.stats.in_flight += 1;
         c.stats.max_in_flight = c.stats.max_in_flight.max(c.stats.in_flight);
         let f = c.next_fault();
@@ -301,6 +311,9 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
         }
         for (i, e) in plan.tokens.into_iter().enumerate() {
             if cut == Some(i) {
+                // Let hyper flush what was sent: an error in the same poll would abort the
+                // connection with the earlier chunks still in its write buffer.
+                tokio::time::sleep(Duration::from_millis(30)).await;
                 let _ = tx.send(Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "simulated cut"))).await;
                 return;
             }
@@ -312,6 +325,7 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
             }
         }
         if cut.is_some() {
+            tokio::time::sleep(Duration::from_millis(30)).await;
             let _ = tx.send(Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "simulated cut"))).await;
             return;
         }

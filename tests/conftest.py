@@ -1,0 +1,176 @@
+"""Black-box harness: the real `spillway` binary, the real simulator process, a real
+SQLite ledger file, HTTP on 127.0.0.1 with OS-chosen ports.
+
+Each test gets its own gateway (own config, own ledger) in front of one simulator shared
+by the session; channel names carry a per-gateway prefix so tests never see each other's
+simulated faults or call counts.
+"""
+
+import json
+import os
+import secrets
+import select
+import signal
+import sqlite3
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(os.environ.get("SPILLWAY_BIN", ROOT / "target" / "debug" / "spillway"))
+PROVIDER_ENV = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY")
+
+MODELS = {"openai": "gpt-4o-mini", "anthropic": "claude-haiku-4-5", "gemini": "gemini-2.5-flash"}
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in PROVIDER_ENV and not k.startswith("SPILLWAY_")}
+    env["SPILLWAY_LOG"] = "warn,spillway=info"
+    env.update(extra)
+    return env
+
+
+def read_line(proc, prefix, timeout=20.0):
+    """Reads stdout lines until one starts with `prefix`; fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if not ready:
+            if proc.poll() is not None:
+                break
+            continue
+        ch = os.read(proc.stdout.fileno(), 1)
+        if not ch:
+            break
+        if ch == b"\n":
+            line = buf.decode()
+            buf = b""
+            if line.startswith(prefix):
+                return line
+        else:
+            buf += ch
+    err = proc.stderr.read().decode() if proc.poll() is not None else ""
+    raise AssertionError(f"no line starting {prefix!r} within {timeout}s; stderr: {err}")
+
+
+def http_json(method, url, body=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+class Sim:
+    def __init__(self, url):
+        self.url = url
+
+    def set(self, channel, **behavior):
+        return http_json("PUT", f"{self.url}/_control/channels/{channel}", behavior)
+
+    def stats(self, channel):
+        return http_json("GET", f"{self.url}/_control/channels/{channel}")["stats"]
+
+
+@pytest.fixture(scope="session")
+def sim():
+    assert BIN.exists(), f"{BIN} is missing: run `make test` (it builds the binary first)"
+    proc = subprocess.Popen([str(BIN), "sim", "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=clean_env())
+    try:
+        line = read_line(proc, "spillway-sim listening on ")
+        yield Sim(line.split()[-1])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+class Gateway:
+    def __init__(self, proc, url, key, ledger, channels, sim):
+        self.proc = proc
+        self.url = url
+        self.key = key
+        self.ledger = ledger
+        self.channels = channels  # format -> channel name on the simulator
+        self.sim = sim
+
+    def channel(self, fmt):
+        return self.channels[fmt]
+
+    def db(self):
+        con = sqlite3.connect(f"file:{self.ledger}?mode=ro", uri=True, timeout=5)
+        con.row_factory = sqlite3.Row
+        return con
+
+    def request_row(self, request_id, until=lambda r: r["state"] not in ("received", "calling_api"), timeout=5.0):
+        """The ledger row for `request_id` once `until` holds (writes are group-committed)."""
+        deadline = time.monotonic() + timeout
+        row = None
+        while time.monotonic() < deadline:
+            with self.db() as con:
+                row = con.execute("SELECT * FROM requests WHERE id = ?", (request_id,)).fetchone()
+            if row is not None and until(row):
+                return row
+            time.sleep(0.02)
+        raise AssertionError(f"ledger row for {request_id}: {dict(row) if row else None}")
+
+    def attempts(self, request_id):
+        with self.db() as con:
+            return con.execute("SELECT * FROM attempts WHERE request_id = ? ORDER BY attempt_no", (request_id,)).fetchall()
+
+    def calls(self, fmt):
+        return self.sim.stats(self.channel(fmt))["calls"]
+
+
+def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml=""):
+    prefix = "t" + secrets.token_hex(4)
+    key = "sk-test-" + secrets.token_hex(16)
+    channels = {fmt: f"{prefix}-{fmt}" for fmt in MODELS}
+    lines = ["listen: 127.0.0.1:0", f"ledger: sqlite://{tmp_path / 'ledger.db'}", extra_yaml, "channels:"]
+    for fmt, name in channels.items():
+        lines += [f"  - name: {name}", f"    format: {fmt}", f"    base_url: {sim.url}/{name}",
+                  "    api_key_env: UPSTREAM_KEY", f"    models: [{MODELS[fmt]}]", "    max_concurrency: 8", channel_yaml]
+    lines += ["keys:", "  - name: app", "    owner: team-a", "    secret_env: SPILLWAY_TEST_KEY",
+              "owners:", "  - name: team-a", "    balance_usd: 100"]
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text("\n".join(l for l in lines if l) + "\n")
+    proc = subprocess.Popen([str(BIN), "serve", "--config", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=clean_env(SPILLWAY_TEST_KEY=key, UPSTREAM_KEY="sk-upstream-" + prefix))
+    line = read_line(proc, "spillway listening on ")
+    return Gateway(proc, line.split()[-1], key, tmp_path / "ledger.db", channels, sim)
+
+
+def stop(proc, timeout=15):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def gateway(tmp_path, sim):
+    gw = start_gateway(tmp_path, sim)
+    yield gw
+    stop(gw.proc)
+
+
+@pytest.fixture
+def gateway_factory(tmp_path, sim):
+    started = []
+
+    def make(**kw):
+        d = tmp_path / f"gw{len(started)}"
+        d.mkdir()
+        gw = start_gateway(d, sim, **kw)
+        started.append(gw)
+        return gw
+
+    yield make
+    for gw in started:
+        stop(gw.proc)

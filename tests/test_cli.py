@@ -1,0 +1,65 @@
+"""The `spillway` command as a user meets it: `check`, and `serve` with no config at all."""
+
+import sqlite3
+import subprocess
+import time
+
+import openai
+
+from conftest import BIN, clean_env, read_line, stop
+
+
+def test_check_reports_file_line_and_field(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(
+        "channels:\n"
+        "  - name: a\n"
+        "    format: openia\n"
+        "    base_url: http://127.0.0.1:1\n"
+        "    models: [m]\n"
+        "    max_concurency: 3\n")
+    r = subprocess.run([str(BIN), "check", "--config", str(cfg)], capture_output=True, text=True, env=clean_env())
+    assert r.returncode != 0
+    assert f"{cfg}:6:5: " in r.stderr and "max_concurency" in r.stderr, r.stderr
+    cfg.write_text(cfg.read_text().replace("    max_concurency: 3\n", ""))
+    r = subprocess.run([str(BIN), "check", "--config", str(cfg)], capture_output=True, text=True, env=clean_env())
+    assert r.returncode != 0
+    assert f"{cfg}:3:13: channels[0].format: unknown format `openia`" in r.stderr, r.stderr
+    cfg.write_text(cfg.read_text().replace("openia", "openai"))
+    r = subprocess.run([str(BIN), "check", "--config", str(cfg)], capture_output=True, text=True, env=clean_env())
+    assert r.returncode == 0, r.stderr
+    assert "ok (1 channels" in r.stdout
+
+
+def test_missing_env_secret_is_an_error_not_a_default(tmp_path):
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        "channels:\n  - {name: a, format: openai, base_url: 'http://127.0.0.1:1', models: [m], api_key_env: NOT_SET_ANYWHERE}\n")
+    r = subprocess.run([str(BIN), "serve", "--config", str(cfg)], capture_output=True, text=True, env=clean_env(), timeout=20)
+    assert r.returncode != 0
+    assert "NOT_SET_ANYWHERE is not set" in r.stderr
+
+
+def test_embedded_default_with_demo_traffic(tmp_path):
+    # spec: P1
+    data = tmp_path / "data"
+    proc = subprocess.Popen([str(BIN), "serve", "--listen", "127.0.0.1:0", "--demo-traffic", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env(SPILLWAY_DATA_DIR=str(data)))
+    try:
+        url = read_line(proc, "spillway listening on ").split()[-1]
+        assert url.startswith("http://127.0.0.1:")
+        key = read_line(proc, "demo key (shown once): ").split()[-1]
+        c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        assert c.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]).choices
+        ledger = data / "ledger.db"
+        deadline = time.monotonic() + 10
+        formats = set()
+        while time.monotonic() < deadline and len(formats) < 3:
+            with sqlite3.connect(f"file:{ledger}?mode=ro", uri=True) as con:
+                formats = {r[0] for r in con.execute("SELECT DISTINCT format FROM requests WHERE state = 'done'")}
+            time.sleep(0.2)
+        assert formats == {"openai", "anthropic", "gemini"}, "demo traffic covers every format"
+    finally:
+        stop(proc)
+    assert proc.returncode == 0
+    assert key.encode() not in proc.stderr.read(), "P3: the demo key is printed once on stdout, never logged"

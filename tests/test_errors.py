@@ -1,0 +1,174 @@
+"""Errors in the caller's wire format (A3): bad keys (A2), malformed and oversized bodies
+(A5), unknown paths, and what the SDKs make of them. Nothing malformed reaches a provider."""
+
+import anthropic
+import httpx
+import openai
+import pytest
+from google import genai
+from google.genai import errors as genai_errors
+from google.genai import types
+
+from conftest import MODELS
+
+BODIES = {
+    "openai": {"model": MODELS["openai"], "messages": [{"role": "user", "content": "hi"}]},
+    "anthropic": {"model": MODELS["anthropic"], "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+    "gemini": {"contents": [{"parts": [{"text": "hi"}]}]},
+}
+
+
+def path(fmt):
+    return {"openai": "/v1/chat/completions", "anthropic": "/v1/messages",
+            "gemini": f"/v1beta/models/{MODELS['gemini']}:generateContent"}[fmt]
+
+
+def auth(fmt, key):
+    return {"openai": {"authorization": f"Bearer {key}"}, "anthropic": {"x-api-key": key},
+            "gemini": {"x-goog-api-key": key}}[fmt]
+
+
+def error_of(fmt, body):
+    """(type-ish name, message) from an error body, checking the format's envelope (A3)."""
+    if fmt == "openai":
+        e = body["error"]
+        assert set(e) == {"message", "type", "param", "code"}
+        return e["code"] or e["type"], e["message"]
+    if fmt == "anthropic":
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        return body["error"]["type"], body["error"]["message"]
+    e = body["error"]
+    assert set(e) == {"code", "message", "status"}
+    return e["status"], e["message"]
+
+
+def post(gw, fmt, key=None, **kw):
+    headers = auth(fmt, key) if key else {}
+    headers.update(kw.pop("headers", {}))
+    return httpx.post(gw.url + path(fmt), headers=headers, **kw)
+
+
+@pytest.mark.parametrize("fmt,name", [("openai", "invalid_api_key"), ("anthropic", "authentication_error"), ("gemini", "UNAUTHENTICATED")])
+def test_401_in_callers_format(gateway, fmt, name):
+    # spec: A2, A3, A8
+    before = gateway.calls(fmt)
+    for key in (None, "sk-wrong-key-0000000000"):
+        r = post(gateway, fmt, key, json=BODIES[fmt])
+        assert r.status_code == 401
+        kind, message = error_of(fmt, r.json())
+        assert kind == name
+        assert ("Missing API key" in message) if key is None else (message == "Invalid API key.")
+        assert "sk-wrong" not in r.text, "P3: a presented key is never echoed"
+        assert r.headers["x-should-retry"] == "false"
+        assert r.headers["x-request-id"]
+        row = gateway.request_row(r.headers["x-request-id"])
+        assert (row["state"], row["http_status"], row["error_class"]) == ("failed", 401, "client_auth")
+    assert gateway.calls(fmt) == before, "nothing reaches the provider"
+
+
+def test_sdks_see_401_as_authentication_errors(gateway):
+    # spec: A3
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-nope", max_retries=0).chat.completions.create(
+            model=MODELS["openai"], messages=[{"role": "user", "content": "hi"}])
+    assert e.value.code == "invalid_api_key"
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        anthropic.Anthropic(base_url=gateway.url, api_key="sk-nope", max_retries=0).messages.create(
+            model=MODELS["anthropic"], max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["error"]["type"] == "authentication_error"
+    client = genai.Client(api_key="sk-nope", http_options=types.HttpOptions(base_url=gateway.url, api_version="v1beta"))
+    with pytest.raises(genai_errors.ClientError) as e:
+        client.models.generate_content(model=MODELS["gemini"], contents="hi")
+    assert e.value.code == 401 and e.value.status == "UNAUTHENTICATED"
+
+
+BAD = {
+    "openai": [(b'{"model": "gpt-4o-mini", "messages": "hi"}', "messages"),
+               (b'{"messages": [{"role": "user"}]}', "model"),
+               (b'{"model": "gpt-4o-mini", "messages": [{}], "stream": "yes"}', "stream"),
+               (b'{"model": "gpt-4o-mini", "messages": [', None)],
+    "anthropic": [(b'{"model": "claude-haiku-4-5", "messages": [{"role": "user", "content": "hi"}]}', "max_tokens"),
+                  (b'{"model": "claude-haiku-4-5", "max_tokens": "ten", "messages": [{}]}', "max_tokens"),
+                  (b'not json', None)],
+    "gemini": [(b'{"contents": "hi"}', "contents"), (b'{}', "contents"), (b'[]', None)],
+}
+
+
+@pytest.mark.parametrize("fmt", ["openai", "anthropic", "gemini"])
+def test_400_names_the_field_and_nothing_is_forwarded(gateway, fmt):
+    # spec: A3, A5, A8
+    before = gateway.calls(fmt)
+    for body, field in BAD[fmt]:
+        r = post(gateway, fmt, gateway.key, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        kind, message = error_of(fmt, r.json())
+        assert kind in ("invalid_request_error", "INVALID_ARGUMENT")
+        assert r.headers["x-should-retry"] == "false"
+        if field:
+            assert f"`{field}`" in message, message
+            if fmt == "openai":
+                assert r.json()["error"]["param"] == field
+        else:
+            assert "JSON" in message, message
+    assert gateway.calls(fmt) == before
+
+
+def test_sdk_sees_400_as_bad_request(gateway):
+    # spec: A3
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic.Anthropic(base_url=gateway.url, api_key=gateway.key, max_retries=0).messages.create(
+            model=MODELS["anthropic"], max_tokens=0, messages=[{"role": "user", "content": "hi"}])
+    assert "max_tokens" in e.value.body["error"]["message"]
+
+
+@pytest.mark.parametrize("fmt,name", [("openai", "request_too_large"), ("anthropic", "request_too_large"), ("gemini", "INVALID_ARGUMENT")])
+def test_413_over_the_configured_limit(gateway_factory, fmt, name):
+    # spec: A3, A5
+    gw = gateway_factory(extra_yaml="max_body_bytes: 2048")
+    big = dict(BODIES[fmt])
+    big["padding"] = "x" * 4096
+    r = post(gw, fmt, gw.key, json=big)
+    assert r.status_code == 413
+    kind, message = error_of(fmt, r.json())
+    assert kind == name and "2048 bytes" in message
+    assert r.headers["x-should-retry"] == "false"
+    # Without Content-Length (chunked upload) the limit holds while reading.
+    import json as _json
+    payload = _json.dumps(big).encode()
+    r = post(gw, fmt, gw.key, content=iter([payload[:1000], payload[1000:]]), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert gw.calls(fmt) == 0
+    # Just under the limit passes.
+    assert post(gw, fmt, gw.key, json=BODIES[fmt]).status_code == 200
+
+
+def test_unknown_model_and_path(gateway):
+    # spec: A4
+    r = post(gateway, "openai", gateway.key, json={"model": "gpt-unknown", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404
+    assert "gpt-unknown" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "model"
+    # A model served only by a channel of another format is not routed across formats.
+    r = post(gateway, "openai", gateway.key, json={"model": MODELS["anthropic"], "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404
+    r = httpx.get(gateway.url + "/v2/nothing")
+    assert r.status_code == 404 and r.headers["x-request-id"]
+    r = httpx.get(gateway.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["x-request-id"]
+
+
+def test_upstream_400_is_returned_as_sent_without_retry(gateway):
+    # spec: D3
+    ch = gateway.channel("openai")
+    gateway.sim.set(ch, fault={"kind": "status", "status": 400, "message": "max_tokens is too large"})
+    try:
+        before = gateway.calls("openai")
+        r = post(gateway, "openai", gateway.key, json=BODIES["openai"])
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "max_tokens is too large"
+        assert r.headers["x-should-retry"] == "false"
+        assert gateway.calls("openai") == before + 1
+        row = gateway.request_row(r.headers["x-request-id"])
+        assert (row["state"], row["http_status"], row["error_class"]) == ("failed", 400, "invalid_request")
+    finally:
+        gateway.sim.set(ch)
