@@ -1,1 +1,369 @@
-fn main() {}
+//! `make bench`: what the gateway adds on top of calling the simulator directly.
+//!
+//! Starts the real `spillway sim` and `spillway serve` (release build, SQLite ledger on)
+//! as processes on loopback, then measures with an open-loop load generator: requests
+//! leave on a fixed schedule whether or not earlier ones have answered, so a slow server
+//! cannot slow the offered load down. Latency is taken from the moment each request is
+//! handed to the client (tokio's 1 ms timer would otherwise add up to 1 ms of send jitter
+//! to every sample). Reported: p50/p90/p99 at fixed rates, direct vs through the gateway, for
+//! non-streaming requests and for streams (time to first token); and the maximum
+//! throughput of each with a fixed number of concurrent clients.
+
+use anyhow::{Context, Result, bail};
+use bytes::Bytes;
+use clap::Parser;
+use hdrhistogram::Histogram;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Serialize;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+struct Args {
+    /// The spillway binary to measure.
+    #[arg(long, default_value = "target/release/spillway")]
+    spillway: PathBuf,
+    /// Where to write the JSON results.
+    #[arg(long, default_value = "bench/results")]
+    out: PathBuf,
+    /// Seconds measured per rate (after one second of warm-up).
+    #[arg(long, default_value_t = 5)]
+    seconds: u64,
+    /// Fixed request rates, requests per second.
+    #[arg(long, value_delimiter = ',', default_value = "500,1000,2000")]
+    rates: Vec<u64>,
+    /// Concurrent clients for the maximum-throughput run.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(bin: &PathBuf, args: &[&str], env: &[(&str, &str)], prefix: &str) -> Result<(Proc, String)> {
+    let mut cmd = Command::new(bin);
+    cmd.args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .env("SPILLWAY_LOG", "warn");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().with_context(|| format!("cannot start {}", bin.display()))?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let proc = Proc(child);
+    for line in lines.by_ref() {
+        let line = line?;
+        if let Some(url) = line.strip_prefix(prefix) {
+            // Keep draining stdout so the child never blocks on a full pipe.
+            std::thread::spawn(move || for _ in lines {});
+            return Ok((proc, url.trim().to_owned()));
+        }
+    }
+    bail!("{} exited before printing {prefix:?}", bin.display())
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Whole,
+    /// Measure time to the first token of a stream.
+    FirstToken,
+}
+
+fn body(stream: bool) -> Bytes {
+    let v = serde_json::json!({"model": "gpt-4o-mini", "stream": stream,
+        "messages": [{"role": "user", "content": "Summarise this support ticket in two sentences, please."}]});
+    Bytes::from(v.to_string())
+}
+
+/// One request; returns its latency from the moment it is handed to the client, or None
+/// on failure.
+async fn one(client: &HttpClient, url: &str, key: &str, payload: Bytes, mode: Mode) -> Option<Duration> {
+    let req = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .header("authorization", format!("Bearer {key}"))
+        .body(Full::new(payload))
+        .ok()?;
+    let from = Instant::now();
+    let resp = client.request(req).await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    let mut body = resp.into_body();
+    let mut at = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.ok()?;
+        if mode == Mode::FirstToken
+            && at.is_none()
+            && let Some(d) = frame.data_ref()
+            // The simulator's first token is "Queues"; the role chunk before it has empty content.
+            && d.windows(12).any(|w| w == b"\"content\":\"Q")
+        {
+            at = Some(from.elapsed());
+        }
+    }
+    Some(at.unwrap_or_else(|| from.elapsed()))
+}
+
+#[derive(Serialize, Clone)]
+struct Percentiles {
+    p50_us: u64,
+    p90_us: u64,
+    p99_us: u64,
+    max_us: u64,
+    ok: u64,
+    failed: u64,
+    achieved_rps: f64,
+}
+
+async fn fixed_rate(client: &HttpClient, url: &str, key: &str, stream: bool, rate: u64, secs: u64) -> Percentiles {
+    let mode = if stream { Mode::FirstToken } else { Mode::Whole };
+    let payload = body(stream);
+    let hist = Arc::new(std::sync::Mutex::new(
+        Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("bounds"),
+    ));
+    let failed = Arc::new(AtomicU64::new(0));
+    let warmup = rate; // one second
+    let total = rate * (secs + 1);
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(total as usize);
+    for i in 0..total {
+        let scheduled = start + Duration::from_nanos(i * 1_000_000_000 / rate);
+        tokio::time::sleep_until(scheduled.into()).await;
+        let (client, url, key, payload, hist, failed) = (
+            client.clone(),
+            url.to_owned(),
+            key.to_owned(),
+            payload.clone(),
+            hist.clone(),
+            failed.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            match one(&client, &url, &key, payload, mode).await {
+                Some(d) if i >= warmup => {
+                    let _ = hist.lock().map(|mut h| h.record(d.as_micros().max(1) as u64));
+                }
+                Some(_) => {}
+                None => {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let h = hist
+        .lock()
+        .map(|h| h.clone())
+        .unwrap_or_else(|_| Histogram::new(3).expect("hist"));
+    Percentiles {
+        p50_us: h.value_at_quantile(0.50),
+        p90_us: h.value_at_quantile(0.90),
+        p99_us: h.value_at_quantile(0.99),
+        max_us: h.max(),
+        ok: h.len(),
+        failed: failed.load(Ordering::Relaxed),
+        achieved_rps: h.len() as f64 / secs as f64,
+    }
+}
+
+async fn max_throughput(client: &HttpClient, url: &str, key: &str, concurrency: usize, secs: u64) -> f64 {
+    let payload = body(false);
+    let done = Arc::new(AtomicU64::new(0));
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (client, url, key, payload, done) = (
+            client.clone(),
+            url.to_owned(),
+            key.to_owned(),
+            payload.clone(),
+            done.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < end {
+                if one(&client, &url, &key, payload.clone(), Mode::Whole).await.is_some() {
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    done.load(Ordering::Relaxed) as f64 / secs as f64
+}
+
+#[derive(Serialize)]
+struct Row {
+    kind: &'static str,
+    rate_rps: u64,
+    direct: Percentiles,
+    gateway: Percentiles,
+    added_p50_us: i64,
+    added_p90_us: i64,
+    added_p99_us: i64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    when_unix: u64,
+    machine: String,
+    seconds_per_rate: u64,
+    rows: Vec<Row>,
+    max_throughput_direct_rps: f64,
+    max_throughput_gateway_rps: f64,
+    concurrency: usize,
+}
+
+fn us(v: u64) -> String {
+    if v >= 10_000 {
+        format!("{:.1} ms", v as f64 / 1000.0)
+    } else {
+        format!("{v} µs")
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    let dir = tempfile::tempdir()?;
+    let (_sim, sim_url) = spawn(
+        &args.spillway,
+        &["sim", "--listen", "127.0.0.1:0"],
+        &[],
+        "spillway-sim listening on ",
+    )?;
+    let key = "sk-bench-0123456789abcdef0123";
+    let config = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:0\nledger: sqlite://{}\nchannels:\n  - name: bench\n    format: openai\n    base_url: {sim_url}/bench\n    models: [gpt-4o-mini]\n    max_concurrency: 4096\nkeys:\n  - name: bench\n    owner: bench\n    secret_env: BENCH_KEY\nowners:\n  - name: bench\n    balance_usd: 1000000\n",
+            dir.path().join("ledger.db").display()
+        ),
+    )?;
+    let (_gw, gw_url) = spawn(
+        &args.spillway,
+        &["serve", "--config", config.to_str().context("path")?],
+        &[("BENCH_KEY", key)],
+        "spillway listening on ",
+    )?;
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: HttpClient = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(1024)
+        .build(connector);
+    let direct = format!("{sim_url}/bench/v1/chat/completions");
+    let via = format!("{gw_url}/v1/chat/completions");
+
+    let mut rows = Vec::new();
+    for (kind, stream) in [("non-streaming", false), ("streaming TTFT", true)] {
+        for &rate in &args.rates {
+            eprintln!("measuring {kind} at {rate} req/s ...");
+            let d = fixed_rate(&client, &direct, key, stream, rate, args.seconds).await;
+            let g = fixed_rate(&client, &via, key, stream, rate, args.seconds).await;
+            rows.push(Row {
+                kind,
+                rate_rps: rate,
+                added_p50_us: g.p50_us as i64 - d.p50_us as i64,
+                added_p90_us: g.p90_us as i64 - d.p90_us as i64,
+                added_p99_us: g.p99_us as i64 - d.p99_us as i64,
+                direct: d,
+                gateway: g,
+            });
+        }
+    }
+    eprintln!(
+        "measuring maximum throughput with {} concurrent clients ...",
+        args.concurrency
+    );
+    let max_d = max_throughput(&client, &direct, key, args.concurrency, args.seconds).await;
+    let max_g = max_throughput(&client, &via, key, args.concurrency, args.seconds).await;
+
+    println!("\nSpillway gateway overhead (ledger on; direct = the simulator alone)\n");
+    println!(
+        "| {:<15} | {:>5} | {:>9} | {:>9} | {:>9} | {:>11} | {:>11} | {:>11} | {:>7} |",
+        "kind", "req/s", "direct p50", "p90", "p99", "gateway p50", "p90", "p99", "failed"
+    );
+    println!("|{}|", ["-"; 9].map(|_| "------------").join("|"));
+    for r in &rows {
+        println!(
+            "| {:<15} | {:>5} | {:>10} | {:>9} | {:>9} | {:>11} | {:>11} | {:>11} | {:>7} |",
+            r.kind,
+            r.rate_rps,
+            us(r.direct.p50_us),
+            us(r.direct.p90_us),
+            us(r.direct.p99_us),
+            us(r.gateway.p50_us),
+            us(r.gateway.p90_us),
+            us(r.gateway.p99_us),
+            r.gateway.failed + r.direct.failed
+        );
+    }
+    println!(
+        "\n| {:<15} | {:>5} | {:>12} | {:>12} | {:>12} |",
+        "kind", "req/s", "added p50", "added p90", "added p99"
+    );
+    println!("|{}|", ["-"; 5].map(|_| "--------------").join("|"));
+    for r in &rows {
+        let f = |v: i64| {
+            if v < 0 {
+                format!("-{}", us(v.unsigned_abs()))
+            } else {
+                us(v as u64)
+            }
+        };
+        println!(
+            "| {:<15} | {:>5} | {:>12} | {:>12} | {:>12} |",
+            r.kind,
+            r.rate_rps,
+            f(r.added_p50_us),
+            f(r.added_p90_us),
+            f(r.added_p99_us)
+        );
+    }
+    println!(
+        "\nmaximum throughput ({} concurrent clients, non-streaming): direct {max_d:.0} req/s, through the gateway {max_g:.0} req/s",
+        args.concurrency
+    );
+
+    let when = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let report = Report {
+        when_unix: when,
+        machine: format!(
+            "{} cores",
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+        ),
+        seconds_per_rate: args.seconds,
+        rows,
+        max_throughput_direct_rps: max_d,
+        max_throughput_gateway_rps: max_g,
+        concurrency: args.concurrency,
+    };
+    std::fs::create_dir_all(&args.out)?;
+    let json = serde_json::to_string_pretty(&report)?;
+    std::fs::write(args.out.join(format!("bench-{when}.json")), &json)?;
+    std::fs::write(args.out.join("latest.json"), &json)?;
+    println!("results: {}", args.out.join("latest.json").display());
+    Ok(())
+}

@@ -8,7 +8,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "spillway", version, about = "A local AI API gateway and ledger for OpenAI, Anthropic and Gemini clients")]
+#[command(
+    name = "spillway",
+    version,
+    about = "A local AI API gateway and ledger for OpenAI, Anthropic and Gemini clients"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -86,7 +90,12 @@ async fn shutdown_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-async fn serve(config: Option<PathBuf>, listen: Option<SocketAddr>, ledger: Option<PathBuf>, demo_traffic: Option<f64>) -> Result<()> {
+async fn serve(
+    config: Option<PathBuf>,
+    listen: Option<SocketAddr>,
+    ledger: Option<PathBuf>,
+    demo_traffic: Option<f64>,
+) -> Result<()> {
     let (cfg, demo) = match &config {
         Some(path) => (load(path)?, None),
         None => {
@@ -119,7 +128,12 @@ async fn serve(config: Option<PathBuf>, listen: Option<SocketAddr>, ledger: Opti
             tracing::info!(channel = %c.name, format = %c.format, upstream = if c.api_key.is_some() { "real provider" } else { "simulator" }, "channel ready");
         }
         if let Some(rps) = demo_traffic {
-            traffic = Some(spillway_sim::traffic::spawn(url.clone(), e.demo_key.clone(), e.simulated.clone(), rps));
+            traffic = Some(spillway_sim::traffic::spawn(
+                url.clone(),
+                e.demo_key.clone(),
+                e.simulated.clone(),
+                rps,
+            ));
             tracing::info!(rps, "demo traffic started");
         }
     } else if demo_traffic.is_some() {
@@ -154,19 +168,31 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SPILLWAY_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_env("SPILLWAY_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {
         match cli.command {
-            Command::Serve { config, listen, ledger, demo_traffic } => serve(config, listen, ledger, demo_traffic).await,
+            Command::Serve {
+                config,
+                listen,
+                ledger,
+                demo_traffic,
+            } => serve(config, listen, ledger, demo_traffic).await,
             Command::Check { config } => {
                 let c = load(&config)?;
                 if let Some(w) = &c.listen_warning {
                     eprintln!("warning: {w}");
                 }
-                println!("{}: ok ({} channels, {} keys, {} owners)", config.display(), c.channels.len(), c.keys.len(), c.owners.len());
+                println!(
+                    "{}: ok ({} channels, {} keys, {} owners)",
+                    config.display(),
+                    c.channels.len(),
+                    c.keys.len(),
+                    c.owners.len()
+                );
                 Ok(())
             }
             Command::Sim { scenario, listen } => sim(scenario, listen).await,

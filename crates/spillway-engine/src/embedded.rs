@@ -31,8 +31,18 @@ struct Provider {
 }
 
 const PROVIDERS: &[Provider] = &[
-    Provider { format: Format::OpenAi, env: "OPENAI_API_KEY", base_url: "https://api.openai.com", sim_models: &["gpt-4o-mini", "gpt-4.1"] },
-    Provider { format: Format::Anthropic, env: "ANTHROPIC_API_KEY", base_url: "https://api.anthropic.com", sim_models: &["claude-haiku-4-5", "claude-sonnet-4-5"] },
+    Provider {
+        format: Format::OpenAi,
+        env: "OPENAI_API_KEY",
+        base_url: "https://api.openai.com",
+        sim_models: &["gpt-4o-mini", "gpt-4.1"],
+    },
+    Provider {
+        format: Format::Anthropic,
+        env: "ANTHROPIC_API_KEY",
+        base_url: "https://api.anthropic.com",
+        sim_models: &["claude-haiku-4-5", "claude-sonnet-4-5"],
+    },
     Provider {
         format: Format::Gemini,
         env: "GEMINI_API_KEY",
@@ -43,7 +53,10 @@ const PROVIDERS: &[Provider] = &[
 
 /// Builds the embedded config; starts the simulator if any provider has no key.
 pub async fn build(env: &dyn Fn(&str) -> Option<String>) -> Result<Embedded> {
-    let simulated_formats: Vec<&Provider> = PROVIDERS.iter().filter(|p| env(p.env).is_none_or(|v| v.is_empty())).collect();
+    let simulated_formats: Vec<&Provider> = PROVIDERS
+        .iter()
+        .filter(|p| env(p.env).is_none_or(|v| v.is_empty()))
+        .collect();
     let sim = if simulated_formats.is_empty() {
         None
     } else {
@@ -52,7 +65,12 @@ pub async fn build(env: &dyn Fn(&str) -> Option<String>) -> Result<Embedded> {
             // Latency and token pace of a quick real model, so charts look like real traffic.
             channels.insert(
                 format!("{}-sim", p.format),
-                Behavior { latency_ms: 120, tokens_per_second: Some(80.0), output_tokens: 24, ..Behavior::default() },
+                Behavior {
+                    latency_ms: 120,
+                    tokens_per_second: Some(80.0),
+                    output_tokens: 24,
+                    ..Behavior::default()
+                },
             );
         }
         let addr = "127.0.0.1:0".parse().map_err(|_| crate::Error::NoDataDir)?;
@@ -86,7 +104,10 @@ pub async fn build(env: &dyn Fn(&str) -> Option<String>) -> Result<Embedded> {
                     weight: 1,
                     timeout_ms: None,
                 });
-                simulated.extend(p.sim_models.iter().map(|m| Target { format: p.format, model: m.to_string() }));
+                simulated.extend(p.sim_models.iter().map(|m| Target {
+                    format: p.format,
+                    model: m.to_string(),
+                }));
             }
         }
     }
@@ -107,9 +128,17 @@ pub async fn build(env: &dyn Fn(&str) -> Option<String>) -> Result<Embedded> {
             max_concurrency: None,
             spend_limit_usd: None,
         }],
-        owners: vec![Owner { name: "demo".into(), balance_usd: 100.0 }],
+        owners: vec![Owner {
+            name: "demo".into(),
+            balance_usd: 100.0,
+        }],
     };
-    Ok(Embedded { config, demo_key, sim, simulated })
+    Ok(Embedded {
+        config,
+        demo_key,
+        sim,
+        simulated,
+    })
 }
 
 #[cfg(test)]
@@ -121,14 +150,24 @@ mod tests {
         let e = build(&|_| None).await.unwrap();
         assert_eq!(e.config.channels.len(), 3);
         assert!(e.sim.is_some());
-        assert!(e.config.channels.iter().all(|c| c.base_url.starts_with("http://127.0.0.1:")));
+        assert!(
+            e.config
+                .channels
+                .iter()
+                .all(|c| c.base_url.starts_with("http://127.0.0.1:"))
+        );
         assert_eq!(e.config.keys[0].secret, hash_secret(&e.demo_key));
 
-        let e = build(&|k| (k == "ANTHROPIC_API_KEY").then(|| "sk-ant-test".to_owned())).await.unwrap();
+        let e = build(&|k| (k == "ANTHROPIC_API_KEY").then(|| "sk-ant-test".to_owned()))
+            .await
+            .unwrap();
         let real: Vec<_> = e.config.channels.iter().filter(|c| c.api_key.is_some()).collect();
         assert_eq!(real.len(), 1);
         assert_eq!(real[0].base_url, "https://api.anthropic.com");
         assert!(real[0].serves("claude-opus-4-1"));
-        assert!(e.simulated.iter().all(|t| t.format != Format::Anthropic), "no demo traffic to a paid provider");
+        assert!(
+            e.simulated.iter().all(|t| t.format != Format::Anthropic),
+            "no demo traffic to a paid provider"
+        );
     }
 }

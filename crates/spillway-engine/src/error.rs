@@ -31,7 +31,11 @@ pub enum GatewayError {
     MethodNotAllowed { method: String, path: String },
     /// The upstream failed; `kind` is what the client should see.
     #[error("{message}")]
-    Upstream { kind: ErrorKind, message: String, retry_after_ms: Option<u64> },
+    Upstream {
+        kind: ErrorKind,
+        message: String,
+        retry_after_ms: Option<u64>,
+    },
 }
 
 impl GatewayError {
@@ -74,9 +78,9 @@ impl GatewayError {
     fn retry_after_s(&self) -> Option<u64> {
         match self {
             GatewayError::CapacityBusy { retry_after_s } => Some(*retry_after_s),
-            GatewayError::Upstream { retry_after_ms, kind, .. } if kind.retryable() => {
-                Some(retry_after_ms.map(|ms| ms.div_ceil(1000)).unwrap_or(1).max(1))
-            }
+            GatewayError::Upstream {
+                retry_after_ms, kind, ..
+            } if kind.retryable() => Some(retry_after_ms.map(|ms| ms.div_ceil(1000)).unwrap_or(1).max(1)),
             _ if self.kind().retryable() => Some(1),
             _ => None,
         }
@@ -115,10 +119,20 @@ mod tests {
         assert_eq!(r.status(), 429);
         assert_eq!(r.headers()[header::RETRY_AFTER], "3");
         assert!(r.headers().get("x-should-retry").is_none());
-        let r = GatewayError::Upstream { kind: ErrorKind::Upstream, message: "x".into(), retry_after_ms: Some(2500) }.into_response(Format::Gemini);
+        let r = GatewayError::Upstream {
+            kind: ErrorKind::Upstream,
+            message: "x".into(),
+            retry_after_ms: Some(2500),
+        }
+        .into_response(Format::Gemini);
         assert_eq!(r.status(), 502);
         assert_eq!(r.headers()[header::RETRY_AFTER], "3");
-        let r = GatewayError::Upstream { kind: ErrorKind::Upstream, message: "x".into(), retry_after_ms: None }.into_response(Format::Gemini);
+        let r = GatewayError::Upstream {
+            kind: ErrorKind::Upstream,
+            message: "x".into(),
+            retry_after_ms: None,
+        }
+        .into_response(Format::Gemini);
         assert_eq!(r.headers()[header::RETRY_AFTER], "1");
     }
 }

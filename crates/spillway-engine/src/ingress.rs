@@ -28,7 +28,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub struct RequestId(pub String);
 
 pub fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -58,16 +61,29 @@ async fn request_id_layer(mut req: Request, next: Next) -> Response {
 }
 
 fn format_for_path(path: &str) -> Format {
-    if path.starts_with("/v1beta") { Format::Gemini } else if path == "/v1/messages" { Format::Anthropic } else { Format::OpenAi }
+    if path.starts_with("/v1beta") {
+        Format::Gemini
+    } else if path == "/v1/messages" {
+        Format::Anthropic
+    } else {
+        Format::OpenAi
+    }
 }
 
 async fn not_found(method: Method, uri: Uri) -> Response {
-    GatewayError::NotFound { method: method.to_string(), path: uri.path().to_owned() }.into_response(format_for_path(uri.path()))
+    GatewayError::NotFound {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+    .into_response(format_for_path(uri.path()))
 }
 
 async fn method_not_allowed(method: Method, uri: Uri) -> Response {
-    GatewayError::MethodNotAllowed { method: method.to_string(), path: uri.path().to_owned() }
-        .into_response(format_for_path(uri.path()))
+    GatewayError::MethodNotAllowed {
+        method: method.to_string(),
+        path: uri.path().to_owned(),
+    }
+    .into_response(format_for_path(uri.path()))
 }
 
 async fn openai_chat(State(st): State<Arc<AppState>>, req: Request) -> Response {
@@ -86,12 +102,19 @@ async fn gemini_generate(State(st): State<Arc<AppState>>, Path(model_action): Pa
     });
     match parsed {
         Some((model, stream)) => handle(st, Format::Gemini, Some(model), stream, req).await,
-        None => GatewayError::NotFound { method: "POST".into(), path: req.uri().path().to_owned() }.into_response(Format::Gemini),
+        None => GatewayError::NotFound {
+            method: "POST".into(),
+            path: req.uri().path().to_owned(),
+        }
+        .into_response(Format::Gemini),
     }
 }
 
 fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    h.get(name).and_then(|v| v.to_str().ok()).map(str::trim).filter(|v| !v.is_empty())
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
 }
 
 /// A2: the key where each format's SDK puts it; `Authorization: Bearer` on every format.
@@ -104,7 +127,12 @@ fn presented_key<'a>(format: Format, headers: &'a HeaderMap, uri: &'a Uri) -> Op
         Format::OpenAi => bearer,
         Format::Anthropic => header_str(headers, "x-api-key").or(bearer),
         Format::Gemini => header_str(headers, "x-goog-api-key")
-            .or_else(|| uri.query()?.split('&').find_map(|kv| kv.strip_prefix("key=")).filter(|k| !k.is_empty()))
+            .or_else(|| {
+                uri.query()?
+                    .split('&')
+                    .find_map(|kv| kv.strip_prefix("key="))
+                    .filter(|k| !k.is_empty())
+            })
             .or(bearer),
     }
 }
@@ -136,7 +164,9 @@ async fn read_body(body: Body, limit: u64, headers: &HeaderMap) -> Result<Bytes,
     }
     match Limited::new(body, limit as usize).collect().await {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(GatewayError::PayloadTooLarge { limit }),
+        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+            Err(GatewayError::PayloadTooLarge { limit })
+        }
         Err(e) => Err(GatewayError::BodyRead(e.to_string())),
     }
 }
@@ -155,10 +185,20 @@ async fn reject(st: &AppState, mut rec: RequestRecord, format: Format, err: Gate
     err.into_response(format)
 }
 
-async fn handle(st: Arc<AppState>, format: Format, path_model: Option<String>, path_stream: bool, req: Request) -> Response {
+async fn handle(
+    st: Arc<AppState>,
+    format: Format,
+    path_model: Option<String>,
+    path_stream: bool,
+    req: Request,
+) -> Response {
     let received_at = now_ms();
     let (parts, body) = req.into_parts();
-    let id = parts.extensions.get::<RequestId>().map(|r| r.0.clone()).unwrap_or_else(request_id);
+    let id = parts
+        .extensions
+        .get::<RequestId>()
+        .map(|r| r.0.clone())
+        .unwrap_or_else(request_id);
     let trace = TraceContext::from_header(header_str(&parts.headers, "traceparent"));
     let mut rec = RequestRecord {
         id,
@@ -217,7 +257,10 @@ async fn handle(st: Arc<AppState>, format: Format, path_model: Option<String>, p
 
     let candidates = routing::candidates(&st, format, &parsed.model);
     if candidates.is_empty() {
-        let e = GatewayError::NoChannel { model: parsed.model.clone(), format };
+        let e = GatewayError::NoChannel {
+            model: parsed.model.clone(),
+            format,
+        };
         return reject(&st, rec, format, e).await;
     }
     let admitted = match routing::admit(&candidates).await {
@@ -243,7 +286,11 @@ fn models_for(st: &AppState, format: Format) -> Vec<String> {
 /// `GET /v1/models`: OpenAI's list shape, or Anthropic's when the caller is the Anthropic
 /// SDK (it sends `anthropic-version`).
 async fn list_models(State(st): State<Arc<AppState>>, headers: HeaderMap, uri: Uri) -> Response {
-    let format = if headers.contains_key("anthropic-version") || headers.contains_key("x-api-key") { Format::Anthropic } else { Format::OpenAi };
+    let format = if headers.contains_key("anthropic-version") || headers.contains_key("x-api-key") {
+        Format::Anthropic
+    } else {
+        Format::OpenAi
+    };
     if let Err(e) = authenticate(&st, format, &headers, &uri) {
         return e.into_response(format);
     }
@@ -253,7 +300,9 @@ async fn list_models(State(st): State<Arc<AppState>>, headers: HeaderMap, uri: U
             "data": models.iter().map(|m| json!({"type": "model", "id": m, "display_name": m, "created_at": "2025-01-01T00:00:00Z"})).collect::<Vec<_>>(),
             "has_more": false, "first_id": models.first(), "last_id": models.last()
         }),
-        _ => json!({"object": "list", "data": models.iter().map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "spillway"})).collect::<Vec<_>>()}),
+        _ => {
+            json!({"object": "list", "data": models.iter().map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "spillway"})).collect::<Vec<_>>()})
+        }
     };
     axum::Json(body).into_response()
 }
@@ -263,9 +312,11 @@ async fn list_models_gemini(State(st): State<Arc<AppState>>, headers: HeaderMap,
         return e.into_response(Format::Gemini);
     }
     let models = models_for(&st, Format::Gemini);
-    axum::Json(json!({"models": models.iter().map(|m| json!({"name": format!("models/{m}"), "displayName": m,
-        "supportedGenerationMethods": ["generateContent", "streamGenerateContent"]})).collect::<Vec<_>>()}))
-        .into_response()
+    axum::Json(
+        json!({"models": models.iter().map(|m| json!({"name": format!("models/{m}"), "displayName": m,
+        "supportedGenerationMethods": ["generateContent", "streamGenerateContent"]})).collect::<Vec<_>>()}),
+    )
+    .into_response()
 }
 
 #[cfg(test)]

@@ -76,7 +76,9 @@ pub async fn start(config: Config, ledger_path: PathBuf, listen: Option<SocketAd
     let ledger = Ledger::open_sqlite(&ledger_path).await?;
     let addr = listen.unwrap_or(config.listen);
     let state = Arc::new(AppState::new(config, ledger)?);
-    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| Error::Listen { addr, source })?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Listen { addr, source })?;
     let addr = listener.local_addr().map_err(|source| Error::Listen { addr, source })?;
     let app = ingress::router(state.clone());
     let (stop, stopped) = oneshot::channel::<()>();
@@ -92,5 +94,10 @@ pub async fn start(config: Config, ledger_path: PathBuf, listen: Option<SocketAd
             })
             .await
     });
-    Ok(Running { addr, state, stop: Some(stop), server })
+    Ok(Running {
+        addr,
+        state,
+        stop: Some(stop),
+        server,
+    })
 }

@@ -37,7 +37,11 @@ pub struct Admitted<'a> {
 pub async fn admit<'a>(candidates: &[&'a ChannelRt]) -> Result<Admitted<'a>, GatewayError> {
     for c in candidates {
         if let Ok(permit) = c.permits.clone().try_acquire_owned() {
-            return Ok(Admitted { channel: c, permit, queued_ms: None });
+            return Ok(Admitted {
+                channel: c,
+                permit,
+                queued_ms: None,
+            });
         }
     }
     if candidates.is_empty() {

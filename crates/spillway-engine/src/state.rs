@@ -39,9 +39,18 @@ impl AppState {
         let channels = config
             .channels
             .iter()
-            .map(|c| ChannelRt { cfg: c.clone(), permits: Arc::new(Semaphore::new(c.max_concurrency as usize)) })
+            .map(|c| ChannelRt {
+                cfg: c.clone(),
+                permits: Arc::new(Semaphore::new(c.max_concurrency as usize)),
+            })
             .collect();
         let keys = config.keys.iter().map(|k| (k.secret.0, Arc::new(k.clone()))).collect();
-        Ok(AppState { config, channels, keys, ledger, client })
+        Ok(AppState {
+            config,
+            channels,
+            keys,
+            ledger,
+            client,
+        })
     }
 }

@@ -23,10 +23,18 @@ impl TraceContext {
         let mut rng = rand::rng();
         let span_id = format!("{:016x}", rng.random::<u64>().max(1));
         if let Some((trace_id, flags)) = traceparent.and_then(parse_traceparent) {
-            return TraceContext { trace_id, span_id, flags };
+            return TraceContext {
+                trace_id,
+                span_id,
+                flags,
+            };
         }
         let trace_id = format!("{:032x}", rng.random::<u128>().max(1));
-        TraceContext { trace_id, span_id, flags: "01".into() }
+        TraceContext {
+            trace_id,
+            span_id,
+            flags: "01".into(),
+        }
     }
 
     pub fn traceparent(&self) -> String {
@@ -63,15 +71,23 @@ mod tests {
         // spec: A6
         let t = TraceContext::from_header(Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
         assert_eq!(t.trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
-        assert_ne!(t.span_id, "00f067aa0ba902b7", "the upstream call gets our own span as parent");
+        assert_ne!(
+            t.span_id, "00f067aa0ba902b7",
+            "the upstream call gets our own span as parent"
+        );
         assert!(t.traceparent().starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"));
         assert!(t.traceparent().ends_with("-01"));
     }
 
     #[test]
     fn invalid_traceparent_starts_a_new_trace() {
-        for bad in ["", "00-xyz", "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
-            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01", "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"] {
+        for bad in [
+            "",
+            "00-xyz",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ] {
             let t = TraceContext::from_header(Some(bad));
             assert_eq!(t.trace_id.len(), 32);
             assert_ne!(t.trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");

@@ -26,7 +26,13 @@ use tokio::sync::OwnedSemaphorePermit;
 
 /// Request headers a provider needs from its client; everything else stays at the gateway
 /// (the client's own credentials above all).
-const FORWARDED_HEADERS: &[&str] = &["anthropic-version", "anthropic-beta", "openai-beta", "tracestate", "accept"];
+const FORWARDED_HEADERS: &[&str] = &[
+    "anthropic-version",
+    "anthropic-beta",
+    "openai-beta",
+    "tracestate",
+    "accept",
+];
 /// Longest provider error message kept in the ledger.
 const MAX_MESSAGE: usize = 512;
 
@@ -50,7 +56,11 @@ fn upstream_url(base: &str, format: Format, uri: &http::Uri) -> String {
         // The client's Gemini key (`?key=`) is the gateway's, not the provider's.
         .filter(|kv| !(format == Format::Gemini && kv.starts_with("key=")))
         .collect();
-    if query.is_empty() { format!("{base}{}", uri.path()) } else { format!("{base}{}?{}", uri.path(), query.join("&")) }
+    if query.is_empty() {
+        format!("{base}{}", uri.path())
+    } else {
+        format!("{base}{}?{}", uri.path(), query.join("&"))
+    }
 }
 
 /// The A7 headers, on success and on failures after admission alike.
@@ -81,14 +91,40 @@ fn gateway_headers(h: &mut HeaderMap, rec: &RequestRecord) {
 /// What the client sees for a failed attempt, and the ledger's message for it.
 fn client_error(signal: &Signal, channel: &str, timeout_ms: u64) -> GatewayError {
     let (kind, message) = match signal.class {
-        ErrorClass::RateLimit => (ErrorKind::RateLimited, format!("Upstream channel `{channel}` is rate limiting this model. Retry after the indicated delay.")),
-        ErrorClass::Overload => (ErrorKind::RateLimited, format!("Upstream channel `{channel}` is overloaded. Retry shortly.")),
-        ErrorClass::Quota => (ErrorKind::Upstream, format!("Upstream channel `{channel}` has run out of provider quota or billing credit.")),
-        ErrorClass::Auth => (ErrorKind::Upstream, format!("Upstream channel `{channel}` rejected the gateway's provider credential; an operator must fix the channel.")),
-        ErrorClass::Timeout => (ErrorKind::Upstream, format!("Upstream channel `{channel}` did not answer within {timeout_ms} ms.")),
-        ErrorClass::Unreachable => (ErrorKind::Upstream, format!("Upstream channel `{channel}` is unreachable.")),
-        ErrorClass::MalformedResponse => (ErrorKind::Upstream, format!("Upstream channel `{channel}` returned a malformed response.")),
-        ErrorClass::StreamInterrupted => (ErrorKind::Upstream, format!("Upstream channel `{channel}` broke off the stream before any output.")),
+        ErrorClass::RateLimit => (
+            ErrorKind::RateLimited,
+            format!("Upstream channel `{channel}` is rate limiting this model. Retry after the indicated delay."),
+        ),
+        ErrorClass::Overload => (
+            ErrorKind::RateLimited,
+            format!("Upstream channel `{channel}` is overloaded. Retry shortly."),
+        ),
+        ErrorClass::Quota => (
+            ErrorKind::Upstream,
+            format!("Upstream channel `{channel}` has run out of provider quota or billing credit."),
+        ),
+        ErrorClass::Auth => (
+            ErrorKind::Upstream,
+            format!(
+                "Upstream channel `{channel}` rejected the gateway's provider credential; an operator must fix the channel."
+            ),
+        ),
+        ErrorClass::Timeout => (
+            ErrorKind::Upstream,
+            format!("Upstream channel `{channel}` did not answer within {timeout_ms} ms."),
+        ),
+        ErrorClass::Unreachable => (
+            ErrorKind::Upstream,
+            format!("Upstream channel `{channel}` is unreachable."),
+        ),
+        ErrorClass::MalformedResponse => (
+            ErrorKind::Upstream,
+            format!("Upstream channel `{channel}` returned a malformed response."),
+        ),
+        ErrorClass::StreamInterrupted => (
+            ErrorKind::Upstream,
+            format!("Upstream channel `{channel}` broke off the stream before any output."),
+        ),
         _ => (
             ErrorKind::Upstream,
             match signal.http_status {
@@ -97,7 +133,11 @@ fn client_error(signal: &Signal, channel: &str, timeout_ms: u64) -> GatewayError
             },
         ),
     };
-    GatewayError::Upstream { kind, message, retry_after_ms: signal.retry_after_ms }
+    GatewayError::Upstream {
+        kind,
+        message,
+        retry_after_ms: signal.retry_after_ms,
+    }
 }
 
 fn attempt_record(rec: &RequestRecord, channel: &str, started_at: i64) -> AttemptRecord {
@@ -125,7 +165,11 @@ fn apply_signal(att: &mut AttemptRecord, s: &Signal) {
     att.provider_error_type = s.provider_error_type.clone();
     att.retry_after_ms = s.retry_after_ms;
     // P3: a provider's auth error may quote part of the channel's key; keep none of it.
-    att.message = if s.class == ErrorClass::Auth { None } else { s.message.clone().map(truncate) };
+    att.message = if s.class == ErrorClass::Auth {
+        None
+    } else {
+        s.message.clone().map(truncate)
+    };
 }
 
 fn apply_usage(rec: &mut RequestRecord, att: &mut AttemptRecord, u: &Usage) {
@@ -146,7 +190,15 @@ async fn record(ledger: &Ledger, rec: RequestRecord, att: AttemptRecord) {
     }
 }
 
-async fn fail(st: &AppState, mut rec: RequestRecord, mut att: AttemptRecord, signal: Signal, channel: &str, timeout_ms: u64, format: Format) -> Response {
+async fn fail(
+    st: &AppState,
+    mut rec: RequestRecord,
+    mut att: AttemptRecord,
+    signal: Signal,
+    channel: &str,
+    timeout_ms: u64,
+    format: Format,
+) -> Response {
     apply_signal(&mut att, &signal);
     att.finished_at = Some(now_ms());
     let err = client_error(&signal, channel, timeout_ms);
@@ -213,11 +265,18 @@ pub async fn run(
     let mut att = attempt_record(&rec, &ch.name, started_at);
     let resp = match tokio::time::timeout(timeout, rb.send()).await {
         Err(_) => {
-            let s = Signal::transport(ErrorClass::Timeout, format!("no response headers within {timeout_ms} ms"));
+            let s = Signal::transport(
+                ErrorClass::Timeout,
+                format!("no response headers within {timeout_ms} ms"),
+            );
             return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
         }
         Ok(Err(e)) => {
-            let class = if e.is_timeout() { ErrorClass::Timeout } else { ErrorClass::Unreachable };
+            let class = if e.is_timeout() {
+                ErrorClass::Timeout
+            } else {
+                ErrorClass::Unreachable
+            };
             // reqwest's message names the URL, which holds no secret; keep the cause chain short.
             let s = Signal::transport(class, truncate(format!("{e}")));
             return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
@@ -237,7 +296,10 @@ pub async fn run(
     let lookup = |name: &str| up_headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
 
     if status.is_success() && parsed.stream {
-        let content_type = up_headers.get(header::CONTENT_TYPE).cloned().unwrap_or(HeaderValue::from_static("text/event-stream"));
+        let content_type = up_headers
+            .get(header::CONTENT_TYPE)
+            .cloned()
+            .unwrap_or(HeaderValue::from_static("text/event-stream"));
         let mut out = Response::new(Body::empty());
         *out.status_mut() = StatusCode::OK;
         let h = out.headers_mut();
@@ -267,11 +329,17 @@ pub async fn run(
     let body = match tokio::time::timeout(timeout, resp.bytes()).await {
         Ok(Ok(b)) => b,
         Ok(Err(e)) => {
-            let s = Signal::transport(ErrorClass::StreamInterrupted, truncate(format!("reading the response body: {e}")));
+            let s = Signal::transport(
+                ErrorClass::StreamInterrupted,
+                truncate(format!("reading the response body: {e}")),
+            );
             return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
         }
         Err(_) => {
-            let s = Signal::transport(ErrorClass::Timeout, format!("response body not complete within {timeout_ms} ms"));
+            let s = Signal::transport(
+                ErrorClass::Timeout,
+                format!("response body not complete within {timeout_ms} ms"),
+            );
             return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
         }
     };
@@ -290,7 +358,13 @@ pub async fn run(
             let mut out = Response::new(Body::from(body));
             *out.status_mut() = status;
             let h = out.headers_mut();
-            h.insert(header::CONTENT_TYPE, up_headers.get(header::CONTENT_TYPE).cloned().unwrap_or(HeaderValue::from_static("application/json")));
+            h.insert(
+                header::CONTENT_TYPE,
+                up_headers
+                    .get(header::CONTENT_TYPE)
+                    .cloned()
+                    .unwrap_or(HeaderValue::from_static("application/json")),
+            );
             gateway_headers(h, &rec);
             record(&st.ledger, rec, att).await;
             out
@@ -321,13 +395,11 @@ pub async fn run(
 fn carries_output(format: Format, ev: &SseEvent, json: Option<&Value>) -> bool {
     match format {
         Format::Anthropic => matches!(ev.event.as_deref(), Some("content_block_delta")),
-        Format::OpenAi => json
-            .and_then(|v| v.pointer("/choices/0/delta"))
-            .is_some_and(|d| {
-                d.get("content").and_then(Value::as_str).is_some_and(|s| !s.is_empty())
-                    || d.get("tool_calls").is_some_and(|t| !t.is_null())
-                    || d.get("refusal").and_then(Value::as_str).is_some_and(|s| !s.is_empty())
-            }),
+        Format::OpenAi => json.and_then(|v| v.pointer("/choices/0/delta")).is_some_and(|d| {
+            d.get("content").and_then(Value::as_str).is_some_and(|s| !s.is_empty())
+                || d.get("tool_calls").is_some_and(|t| !t.is_null())
+                || d.get("refusal").and_then(Value::as_str).is_some_and(|s| !s.is_empty())
+        }),
         Format::Gemini => json
             .and_then(|v| v.pointer("/candidates/0/content/parts"))
             .and_then(Value::as_array)
@@ -416,9 +488,15 @@ impl Observed {
         att.finished_at = Some(now);
         att.http_status = Some(200);
         let failure = match end {
-            End::Complete => self.stream_error.take().map(|m| (ErrorClass::Unknown, format!("provider sent an error event: {m}"))),
+            End::Complete => self
+                .stream_error
+                .take()
+                .map(|m| (ErrorClass::Unknown, format!("provider sent an error event: {m}"))),
             End::Broken(class, m) => Some((class, m)),
-            End::ClientGone => Some((ErrorClass::Unknown, "client disconnected before the stream ended".to_owned())),
+            End::ClientGone => Some((
+                ErrorClass::Unknown,
+                "client disconnected before the stream ended".to_owned(),
+            )),
         };
         match failure {
             None => {
@@ -431,7 +509,11 @@ impl Observed {
                 rec.http_status = Some(200);
                 // H2: output the client already saw is committed; it is never replayed.
                 rec.partial_output_committed = self.first_token_at.is_some();
-                let class_name = if message.starts_with("client disconnected") { "client_disconnected" } else { class.as_str() };
+                let class_name = if message.starts_with("client disconnected") {
+                    "client_disconnected"
+                } else {
+                    class.as_str()
+                };
                 rec.error_class = Some(class_name.to_owned());
                 rec.error_message = Some(truncate(message.clone()));
                 att.error_class = class_name.to_owned();
@@ -476,7 +558,10 @@ impl Stream for Observed {
                 Poll::Ready(()) => {
                     let ms = self.idle_timeout.as_millis();
                     let ev = self.error_event(&format!("The upstream stream stalled for {ms} ms"));
-                    self.finish(End::Broken(ErrorClass::Timeout, format!("upstream sent nothing for {ms} ms")));
+                    self.finish(End::Broken(
+                        ErrorClass::Timeout,
+                        format!("upstream sent nothing for {ms} ms"),
+                    ));
                     Poll::Ready(Some(Ok(ev)))
                 }
                 Poll::Pending => Poll::Pending,

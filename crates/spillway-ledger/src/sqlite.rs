@@ -42,7 +42,10 @@ impl SqliteBackend {
         if let Some(dir) = path.parent()
             && !dir.as_os_str().is_empty()
         {
-            std::fs::create_dir_all(dir).map_err(|source| Error::Directory { path: dir.display().to_string(), source })?;
+            std::fs::create_dir_all(dir).map_err(|source| Error::Directory {
+                path: dir.display().to_string(),
+                source,
+            })?;
         }
         let base = SqliteConnectOptions::from_str("sqlite://")?
             .filename(path)
@@ -51,17 +54,20 @@ impl SqliteBackend {
             // the last transactions, which the fsync on checkpoint bounds.
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(5));
-        let mut writer = SqliteConnection::connect_with(
-            &base.clone().create_if_missing(true).pragma("wal_autocheckpoint", "0"),
-        )
-        .await?;
+        let mut writer =
+            SqliteConnection::connect_with(&base.clone().create_if_missing(true).pragma("wal_autocheckpoint", "0"))
+                .await?;
         sqlx::migrate!("./migrations").run(&mut writer).await?;
         let maintenance = SqliteConnection::connect_with(&base).await?;
         let readers = SqlitePoolOptions::new()
             .max_connections(4)
             .connect_with(base.read_only(true))
             .await?;
-        Ok(SqliteBackend { writer: Mutex::new(writer), readers, maintenance: Mutex::new(maintenance) })
+        Ok(SqliteBackend {
+            writer: Mutex::new(writer),
+            readers,
+            maintenance: Mutex::new(maintenance),
+        })
     }
 }
 
@@ -172,7 +178,8 @@ impl LedgerBackend for SqliteBackend {
             q.build().execute(&mut *tx).await?;
         }
         for chunk in attempts.chunks(ROWS_PER_STATEMENT) {
-            let mut q: QueryBuilder<Sqlite> = QueryBuilder::new(format!("INSERT OR REPLACE INTO attempts ({ATTEMPT_COLUMNS}) "));
+            let mut q: QueryBuilder<Sqlite> =
+                QueryBuilder::new(format!("INSERT OR REPLACE INTO attempts ({ATTEMPT_COLUMNS}) "));
             q.push_values(chunk, |mut b, a| {
                 b.push_bind(a.request_id.clone())
                     .push_bind(i64::from(a.attempt_no))
@@ -196,18 +203,22 @@ impl LedgerBackend for SqliteBackend {
     }
 
     async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>> {
-        let row = sqlx::query(AssertSqlSafe(format!("SELECT {REQUEST_COLUMNS} FROM requests WHERE id = ?")))
-            .bind(id)
-            .fetch_optional(&self.readers)
-            .await?;
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {REQUEST_COLUMNS} FROM requests WHERE id = ?"
+        )))
+        .bind(id)
+        .fetch_optional(&self.readers)
+        .await?;
         row.as_ref().map(request_from_row).transpose()
     }
 
     async fn attempts(&self, request_id: &str) -> Result<Vec<AttemptRecord>> {
-        let rows = sqlx::query(AssertSqlSafe(format!("SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE request_id = ? ORDER BY attempt_no")))
-            .bind(request_id)
-            .fetch_all(&self.readers)
-            .await?;
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE request_id = ? ORDER BY attempt_no"
+        )))
+        .bind(request_id)
+        .fetch_all(&self.readers)
+        .await?;
         rows.iter().map(attempt_from_row).collect()
     }
 
@@ -226,7 +237,9 @@ impl LedgerBackend for SqliteBackend {
     async fn maintain(&self) -> Result<()> {
         // PASSIVE never blocks the writer; the WAL is folded back while it keeps going.
         let mut conn = self.maintenance.lock().await;
-        sqlx::query("PRAGMA wal_checkpoint(PASSIVE)").execute(&mut *conn).await?;
+        sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+            .execute(&mut *conn)
+            .await?;
         Ok(())
     }
 }

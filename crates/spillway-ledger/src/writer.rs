@@ -16,8 +16,8 @@ const QUEUE_DEPTH: usize = 65_536;
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 
 enum Op {
-    Request(RequestRecord, Option<oneshot::Sender<Result<()>>>),
-    Attempt(AttemptRecord),
+    Request(Box<RequestRecord>, Option<oneshot::Sender<Result<()>>>),
+    Attempt(Box<AttemptRecord>),
     Flush(oneshot::Sender<Result<()>>),
 }
 
@@ -36,7 +36,10 @@ impl Ledger {
         let backend = SqliteBackend::open(path).await?;
         let unknown = backend.mark_interrupted_unknown().await?;
         if unknown > 0 {
-            tracing::warn!(count = unknown, "requests were calling a provider when the gateway last stopped; marked unknown for an owner to reconcile");
+            tracing::warn!(
+                count = unknown,
+                "requests were calling a provider when the gateway last stopped; marked unknown for an owner to reconcile"
+            );
         }
         Ok(Ledger::start(Arc::new(backend)))
     }
@@ -56,23 +59,36 @@ impl Ledger {
                 }
             }
         });
-        Ledger { tx, backend, tasks: Arc::new(std::sync::Mutex::new(vec![writer, checkpoints])) }
+        Ledger {
+            tx,
+            backend,
+            tasks: Arc::new(std::sync::Mutex::new(vec![writer, checkpoints])),
+        }
     }
 
     /// Records `rec` and returns once it is committed. Used before an upstream call (I3).
     pub async fn put_request_durable(&self, rec: RequestRecord) -> Result<()> {
         let (ack, done) = oneshot::channel();
-        self.tx.send(Op::Request(rec, Some(ack))).await.map_err(|_| Error::WriterStopped)?;
+        self.tx
+            .send(Op::Request(Box::new(rec), Some(ack)))
+            .await
+            .map_err(|_| Error::WriterStopped)?;
         done.await.map_err(|_| Error::WriterStopped)?
     }
 
     /// Records `rec` with the next commit.
     pub async fn put_request(&self, rec: RequestRecord) -> Result<()> {
-        self.tx.send(Op::Request(rec, None)).await.map_err(|_| Error::WriterStopped)
+        self.tx
+            .send(Op::Request(Box::new(rec), None))
+            .await
+            .map_err(|_| Error::WriterStopped)
     }
 
     pub async fn put_attempt(&self, rec: AttemptRecord) -> Result<()> {
-        self.tx.send(Op::Attempt(rec)).await.map_err(|_| Error::WriterStopped)
+        self.tx
+            .send(Op::Attempt(Box::new(rec)))
+            .await
+            .map_err(|_| Error::WriterStopped)
     }
 
     /// Waits until everything queued so far is committed.
@@ -86,7 +102,12 @@ impl Ledger {
     pub async fn close(&self) -> Result<()> {
         let r = self.flush().await;
         let _ = self.backend.maintain().await;
-        for t in self.tasks.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default() {
+        for t in self
+            .tasks
+            .lock()
+            .map(|mut t| std::mem::take(&mut *t))
+            .unwrap_or_default()
+        {
             t.abort();
         }
         r
@@ -117,17 +138,17 @@ async fn write_loop(backend: Arc<dyn LedgerBackend>, mut rx: mpsc::Receiver<Op>)
                 Op::Request(rec, ack) => {
                     // Rows carry their full latest state, so only the last one per id is written.
                     match index.get(&rec.id) {
-                        Some(&i) => requests[i] = rec,
+                        Some(&i) => requests[i] = *rec,
                         None => {
                             index.insert(rec.id.clone(), requests.len());
-                            requests.push(rec);
+                            requests.push(*rec);
                         }
                     }
                     if let Some(a) = ack {
                         acks.push(a);
                     }
                 }
-                Op::Attempt(a) => attempts.push(a),
+                Op::Attempt(a) => attempts.push(*a),
                 Op::Flush(a) => acks.push(a),
             }
         }
@@ -198,7 +219,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nested/ledger.db");
         let ledger = Ledger::open_sqlite(&path).await.unwrap();
-        ledger.put_request_durable(rec("r1", RequestState::CallingApi)).await.unwrap();
+        ledger
+            .put_request_durable(rec("r1", RequestState::CallingApi))
+            .await
+            .unwrap();
         // Visible from another connection as soon as the durable put returns.
         let got = ledger.get_request("r1").await.unwrap().unwrap();
         assert_eq!(got.state, RequestState::CallingApi);
@@ -228,7 +252,10 @@ mod tests {
             .unwrap();
         ledger.flush().await.unwrap();
         assert_eq!(ledger.get_request("r1").await.unwrap().unwrap(), done);
-        assert_eq!(ledger.attempts("r1").await.unwrap()[0].upstream_request_id.as_deref(), Some("up-1"));
+        assert_eq!(
+            ledger.attempts("r1").await.unwrap()[0].upstream_request_id.as_deref(),
+            Some("up-1")
+        );
         ledger.close().await.unwrap();
     }
 
@@ -238,12 +265,21 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("ledger.db");
         let ledger = Ledger::open_sqlite(&path).await.unwrap();
-        ledger.put_request_durable(rec("r1", RequestState::CallingApi)).await.unwrap();
+        ledger
+            .put_request_durable(rec("r1", RequestState::CallingApi))
+            .await
+            .unwrap();
         ledger.put_request_durable(rec("r2", RequestState::Done)).await.unwrap();
         drop(ledger);
         let reopened = Ledger::open_sqlite(&path).await.unwrap();
-        assert_eq!(reopened.get_request("r1").await.unwrap().unwrap().state, RequestState::Unknown);
-        assert_eq!(reopened.get_request("r2").await.unwrap().unwrap().state, RequestState::Done);
+        assert_eq!(
+            reopened.get_request("r1").await.unwrap().unwrap().state,
+            RequestState::Unknown
+        );
+        assert_eq!(
+            reopened.get_request("r2").await.unwrap().unwrap().state,
+            RequestState::Done
+        );
     }
 
     #[tokio::test]
@@ -264,7 +300,10 @@ mod tests {
         }
         ledger.flush().await.unwrap();
         for n in [0, 999, 1999] {
-            assert_eq!(ledger.get_request(&format!("r{n}")).await.unwrap().unwrap().state, RequestState::Done);
+            assert_eq!(
+                ledger.get_request(&format!("r{n}")).await.unwrap().unwrap().state,
+                RequestState::Done
+            );
         }
     }
 }

@@ -194,7 +194,13 @@ impl Config {
             // The library appends its own position; ours leads the line already.
             let message = message.split(" at line ").next().unwrap_or(&message).trim().to_owned();
             let field = key_on_line(text, line).unwrap_or_default();
-            ConfigErrors(vec![ConfigError { file: name.clone(), line, column, field, message }])
+            ConfigErrors(vec![ConfigError {
+                file: name.clone(),
+                line,
+                column,
+                field,
+                message,
+            }])
         })?;
         let base_dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
         raw.validate(&name, &base_dir, env)
@@ -219,7 +225,11 @@ fn parse_ledger(url: &str, base_dir: &Path) -> std::result::Result<LedgerLocatio
         return Err("sqlite:// needs a file path, e.g. sqlite:///var/lib/spillway/ledger.db".into());
     }
     let p = PathBuf::from(rest);
-    Ok(LedgerLocation::Sqlite(if p.is_absolute() { p } else { base_dir.join(p) }))
+    Ok(LedgerLocation::Sqlite(if p.is_absolute() {
+        p
+    } else {
+        base_dir.join(p)
+    }))
 }
 
 fn valid_name(s: &str) -> bool {
@@ -228,7 +238,10 @@ fn valid_name(s: &str) -> bool {
 
 impl RawConfig {
     fn validate(self, file: &str, base_dir: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
-        let mut cx = Ctx { file, errors: Vec::new() };
+        let mut cx = Ctx {
+            file,
+            errors: Vec::new(),
+        };
 
         let mut listen: SocketAddr = DEFAULT_LISTEN.parse().map_err(|_| ConfigErrors(vec![]))?;
         let mut listen_warning = None;
@@ -243,7 +256,11 @@ impl RawConfig {
                         ));
                     }
                 }
-                Err(_) => cx.err(l, "listen", format!("`{}` is not HOST:PORT (e.g. 127.0.0.1:8787)", l.value)),
+                Err(_) => cx.err(
+                    l,
+                    "listen",
+                    format!("`{}` is not HOST:PORT (e.g. 127.0.0.1:8787)", l.value),
+                ),
             }
         }
 
@@ -280,9 +297,17 @@ impl RawConfig {
         for (i, o) in self.owners.iter().enumerate() {
             let f = |s: &str| format!("owners[{i}].{s}");
             if !valid_name(&o.value.name.value) {
-                cx.err(&o.value.name, f("name"), "must be 1-64 letters, digits, '-', '_' or '.'");
+                cx.err(
+                    &o.value.name,
+                    f("name"),
+                    "must be 1-64 letters, digits, '-', '_' or '.'",
+                );
             } else if !owner_names.insert(o.value.name.value.clone()) {
-                cx.err(&o.value.name, f("name"), format!("owner `{}` is defined twice", o.value.name.value));
+                cx.err(
+                    &o.value.name,
+                    f("name"),
+                    format!("owner `{}` is defined twice", o.value.name.value),
+                );
             }
             let balance_usd = o.value.balance_usd.as_ref().map(|b| b.value).unwrap_or(0.0);
             if let Some(b) = &o.value.balance_usd
@@ -290,7 +315,10 @@ impl RawConfig {
             {
                 cx.err(b, f("balance_usd"), "must be a finite number");
             }
-            owners.push(Owner { name: o.value.name.value.clone(), balance_usd });
+            owners.push(Owner {
+                name: o.value.name.value.clone(),
+                balance_usd,
+            });
         }
 
         let mut channels = Vec::new();
@@ -304,7 +332,11 @@ impl RawConfig {
             if !valid_name(&c.name.value) {
                 cx.err(&c.name, f("name"), "must be 1-64 letters, digits, '-', '_' or '.'");
             } else if !channel_names.insert(c.name.value.clone()) {
-                cx.err(&c.name, f("name"), format!("channel `{}` is defined twice", c.name.value));
+                cx.err(
+                    &c.name,
+                    f("name"),
+                    format!("channel `{}` is defined twice", c.name.value),
+                );
             }
             let format = match c.format.value.parse::<Format>() {
                 Ok(fm) => fm,
@@ -317,13 +349,21 @@ impl RawConfig {
             let scheme_ok = base_url.starts_with("http://") || base_url.starts_with("https://");
             let host = base_url.split("://").nth(1).unwrap_or_default();
             if !scheme_ok || host.is_empty() || host.starts_with('/') || base_url.contains(['?', '#', ' ']) {
-                cx.err(&c.base_url, f("base_url"), format!("`{}` is not an http(s) URL without query or fragment", c.base_url.value));
+                cx.err(
+                    &c.base_url,
+                    f("base_url"),
+                    format!("`{}` is not an http(s) URL without query or fragment", c.base_url.value),
+                );
             }
             let api_key = match &c.api_key_env {
                 Some(e) => match env(&e.value) {
                     Some(v) if !v.is_empty() => Some(v),
                     _ => {
-                        cx.err(e, f("api_key_env"), format!("environment variable {} is not set", e.value));
+                        cx.err(
+                            e,
+                            f("api_key_env"),
+                            format!("environment variable {} is not set", e.value),
+                        );
                         None
                     }
                 },
@@ -347,7 +387,11 @@ impl RawConfig {
             };
             let weight = match &c.weight {
                 Some(w) if w.value == 0 => {
-                    cx.err(w, f("weight"), "must be at least 1 (remove the channel to stop using it)");
+                    cx.err(
+                        w,
+                        f("weight"),
+                        "must be at least 1 (remove the channel to stop using it)",
+                    );
                     1
                 }
                 Some(w) => w.value,
@@ -383,17 +427,29 @@ impl RawConfig {
                 cx.err(&k.name, f("name"), format!("key `{}` is defined twice", k.name.value));
             }
             if !owner_names.contains(&k.owner.value) {
-                cx.err(&k.owner, f("owner"), format!("owner `{}` is not listed under `owners`", k.owner.value));
+                cx.err(
+                    &k.owner,
+                    f("owner"),
+                    format!("owner `{}` is not listed under `owners`", k.owner.value),
+                );
             }
             let secret = match (&k.secret_env, &k.secret_sha256) {
                 (Some(e), None) => match env(&e.value) {
                     Some(v) if v.len() >= 16 => Some(hash_secret(&v)),
                     Some(_) => {
-                        cx.err(e, f("secret_env"), format!("the secret in {} is shorter than 16 characters", e.value));
+                        cx.err(
+                            e,
+                            f("secret_env"),
+                            format!("the secret in {} is shorter than 16 characters", e.value),
+                        );
                         None
                     }
                     None => {
-                        cx.err(e, f("secret_env"), format!("environment variable {} is not set", e.value));
+                        cx.err(
+                            e,
+                            f("secret_env"),
+                            format!("environment variable {} is not set", e.value),
+                        );
                         None
                     }
                 },
@@ -419,7 +475,11 @@ impl RawConfig {
             if let Some(s) = &secret
                 && !secrets.insert(s.0)
             {
-                cx.err(&k.name, f("secret_env"), "two keys share one secret; each key needs its own");
+                cx.err(
+                    &k.name,
+                    f("secret_env"),
+                    "two keys share one secret; each key needs its own",
+                );
             }
             for (name, v) in [("rpm", &k.rpm), ("max_concurrency", &k.max_concurrency)] {
                 if let Some(v) = v
@@ -530,22 +590,53 @@ owners:
             .replace("owner: team-a", "owner: team-b");
         let e = parse(&bad).unwrap_err();
         let lines: Vec<String> = e.0.iter().map(|e| e.to_string()).collect();
-        assert!(lines.iter().any(|l| l.starts_with("/etc/spillway/gw.yaml:5:") && l.contains("channels[0].format") && l.contains("openia")), "{lines:?}");
-        assert!(lines.iter().any(|l| l.contains(":14:") && l.contains("keys[0].secret_env") && l.contains("MISSING_VAR is not set")), "{lines:?}");
-        assert!(lines.iter().any(|l| l.contains(":13:") && l.contains("keys[0].owner") && l.contains("team-b")), "{lines:?}");
+        assert!(
+            lines.iter().any(|l| l.starts_with("/etc/spillway/gw.yaml:5:")
+                && l.contains("channels[0].format")
+                && l.contains("openia")),
+            "{lines:?}"
+        );
+        assert!(
+            lines.iter().any(|l| l.contains(":14:")
+                && l.contains("keys[0].secret_env")
+                && l.contains("MISSING_VAR is not set")),
+            "{lines:?}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains(":13:") && l.contains("keys[0].owner") && l.contains("team-b")),
+            "{lines:?}"
+        );
     }
 
     #[test]
     fn bad_values() {
         for (from, to, field) in [
-            ("base_url: http://127.0.0.1:9001/", "base_url: ftp://x", "channels[0].base_url"),
-            ("max_concurrency: 8", "max_concurrency: 0", "channels[0].max_concurrency"),
+            (
+                "base_url: http://127.0.0.1:9001/",
+                "base_url: ftp://x",
+                "channels[0].base_url",
+            ),
+            (
+                "max_concurrency: 8",
+                "max_concurrency: 0",
+                "channels[0].max_concurrency",
+            ),
             ("models: [gpt-4o-mini]", "models: []", "channels[0].models"),
             ("listen: 127.0.0.1:0", "listen: localhost", "listen"),
             ("ledger: sqlite://ledger.db", "ledger: postgres://x", "ledger"),
-            ("secret_env: SPILLWAY_APP_KEY", "secret_env: SHORT", "keys[0].secret_env"),
+            (
+                "secret_env: SPILLWAY_APP_KEY",
+                "secret_env: SHORT",
+                "keys[0].secret_env",
+            ),
             ("rpm: 60", "rpm: 0", "keys[0].rpm"),
-            ("api_key_env: OPENAI_API_KEY", "api_key_env: NOPE", "channels[0].api_key_env"),
+            (
+                "api_key_env: OPENAI_API_KEY",
+                "api_key_env: NOPE",
+                "channels[0].api_key_env",
+            ),
         ] {
             let e = parse(&GOOD.replace(from, to)).unwrap_err();
             assert!(e.0.iter().any(|e| e.field == field && e.line > 0), "{to}: {e}");
@@ -565,9 +656,16 @@ owners:
 
     #[test]
     fn duplicate_names_and_secret_sha() {
-        let dup = GOOD.replace("keys:\n", "  - name: openai-a\n    format: openai\n    base_url: http://x\n    models: ['*']\nkeys:\n");
+        let dup = GOOD.replace(
+            "keys:\n",
+            "  - name: openai-a\n    format: openai\n    base_url: http://x\n    models: ['*']\nkeys:\n",
+        );
         let e = parse(&dup).unwrap_err();
-        assert!(e.0.iter().any(|e| e.field == "channels[1].name" && e.message.contains("twice")), "{e}");
+        assert!(
+            e.0.iter()
+                .any(|e| e.field == "channels[1].name" && e.message.contains("twice")),
+            "{e}"
+        );
         let sha = hex::encode(hash_secret("sk-app-0123456789abcdef").0);
         let c = parse(&GOOD.replace("secret_env: SPILLWAY_APP_KEY", &format!("secret_sha256: {sha}"))).unwrap();
         assert_eq!(c.keys[0].secret, hash_secret("sk-app-0123456789abcdef"));

@@ -14,10 +14,19 @@ pub struct Scenario {
 impl Scenario {
     pub fn load(path: &std::path::Path) -> crate::Result<Scenario> {
         let p = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| crate::Error::Read { path: p.clone(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| crate::Error::Read {
+            path: p.clone(),
+            source,
+        })?;
         serde_saphyr::from_str(&text).map_err(|e| {
-            let at = e.location().map(|l| format!("{}:{}: ", l.line(), l.column())).unwrap_or_default();
-            crate::Error::Scenario { path: p, message: format!("{at}{}", e.without_snippet()) }
+            let at = e
+                .location()
+                .map(|l| format!("{}:{}: ", l.line(), l.column()))
+                .unwrap_or_default();
+            crate::Error::Scenario {
+                path: p,
+                message: format!("{at}{}", e.without_snippet()),
+            }
         })
     }
 }
@@ -42,7 +51,14 @@ pub struct Behavior {
 
 impl Default for Behavior {
     fn default() -> Self {
-        Behavior { latency_ms: 0, tokens_per_second: None, output_tokens: 12, ratelimit: None, fault: None, script: Vec::new() }
+        Behavior {
+            latency_ms: 0,
+            tokens_per_second: None,
+            output_tokens: 12,
+            ratelimit: None,
+            fault: None,
+            script: Vec::new(),
+        }
     }
 }
 

@@ -6,8 +6,8 @@ use spillway_wire::Format;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 const WORDS: &[&str] = &[
-    "Queues", "absorb", "bursts", "while", "breakers", "keep", "a", "failing", "route", "from", "dragging",
-    "the", "rest", "down;", "retries", "stay", "inside", "their", "budget.",
+    "Queues", "absorb", "bursts", "while", "breakers", "keep", "a", "failing", "route", "from", "dragging", "the",
+    "rest", "down;", "retries", "stay", "inside", "their", "budget.",
 ];
 
 pub fn token(i: u32) -> String {
@@ -20,7 +20,10 @@ pub fn text(n: u32) -> String {
 }
 
 fn now_s() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 pub fn id(prefix: &str) -> String {
@@ -91,38 +94,62 @@ pub fn stream(format: Format, model: &str, prompt_tokens: u64, n: u32, include_u
                 }
                 data(v)
             };
-            let head = vec![chunk(json!({"role": "assistant", "content": "", "refusal": null}), Value::Null, None)];
-            let tokens = (0..n).map(|i| chunk(json!({"content": token(i)}), Value::Null, None)).collect();
+            let head = vec![chunk(
+                json!({"role": "assistant", "content": "", "refusal": null}),
+                Value::Null,
+                None,
+            )];
+            let tokens = (0..n)
+                .map(|i| chunk(json!({"content": token(i)}), Value::Null, None))
+                .collect();
             let mut tail = vec![chunk(json!({}), json!("stop"), None)];
             if include_usage {
-                tail.push(chunk(json!({}), Value::Null, Some(json!({
+                tail.push(chunk(
+                    json!({}),
+                    Value::Null,
+                    Some(json!({
                     "prompt_tokens": prompt_tokens, "completion_tokens": n64, "total_tokens": prompt_tokens + n64,
                     "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
                     "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
-                        "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}}))));
+                        "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}})),
+                ));
             }
             tail.push("data: [DONE]\n\n".into());
             StreamPlan { head, tokens, tail }
         }
         Format::Anthropic => {
             let head = vec![
-                event("message_start", json!({"type": "message_start", "message": {
+                event(
+                    "message_start",
+                    json!({"type": "message_start", "message": {
                     "id": id("msg_"), "type": "message", "role": "assistant", "model": model, "content": [],
                     "stop_reason": null, "stop_sequence": null,
                     "usage": {"input_tokens": prompt_tokens, "output_tokens": 1,
-                              "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}})),
-                event("content_block_start", json!({"type": "content_block_start", "index": 0,
-                    "content_block": {"type": "text", "text": ""}})),
+                              "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}}),
+                ),
+                event(
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": 0,
+                    "content_block": {"type": "text", "text": ""}}),
+                ),
                 event("ping", json!({"type": "ping"})),
             ];
             let tokens = (0..n)
-                .map(|i| event("content_block_delta", json!({"type": "content_block_delta", "index": 0,
-                    "delta": {"type": "text_delta", "text": token(i)}})))
+                .map(|i| {
+                    event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": 0,
+                    "delta": {"type": "text_delta", "text": token(i)}}),
+                    )
+                })
                 .collect();
             let tail = vec![
                 event("content_block_stop", json!({"type": "content_block_stop", "index": 0})),
-                event("message_delta", json!({"type": "message_delta",
-                    "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": n64}})),
+                event(
+                    "message_delta",
+                    json!({"type": "message_delta",
+                    "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": n64}}),
+                ),
                 event("message_stop", json!({"type": "message_stop"})),
             ];
             StreamPlan { head, tokens, tail }
@@ -142,7 +169,11 @@ pub fn stream(format: Format, model: &str, prompt_tokens: u64, n: u32, include_u
                     data(v)
                 })
                 .collect();
-            StreamPlan { head: vec![], tokens, tail: vec![] }
+            StreamPlan {
+                head: vec![],
+                tokens,
+                tail: vec![],
+            }
         }
     }
 }
@@ -208,18 +239,30 @@ pub fn ratelimit_headers(format: Format, r: &RateLimitHeaders) -> Vec<(String, S
     match format {
         Format::OpenAi => vec![
             ("x-ratelimit-limit-requests".into(), r.limit_requests.to_string()),
-            ("x-ratelimit-remaining-requests".into(), r.remaining_requests.to_string()),
+            (
+                "x-ratelimit-remaining-requests".into(),
+                r.remaining_requests.to_string(),
+            ),
             ("x-ratelimit-reset-requests".into(), go(r.reset_requests_s)),
             ("x-ratelimit-limit-tokens".into(), r.limit_tokens.to_string()),
             ("x-ratelimit-remaining-tokens".into(), r.remaining_tokens.to_string()),
             ("x-ratelimit-reset-tokens".into(), go(r.reset_tokens_s)),
         ],
         Format::Anthropic => vec![
-            ("anthropic-ratelimit-requests-limit".into(), r.limit_requests.to_string()),
-            ("anthropic-ratelimit-requests-remaining".into(), r.remaining_requests.to_string()),
+            (
+                "anthropic-ratelimit-requests-limit".into(),
+                r.limit_requests.to_string(),
+            ),
+            (
+                "anthropic-ratelimit-requests-remaining".into(),
+                r.remaining_requests.to_string(),
+            ),
             ("anthropic-ratelimit-requests-reset".into(), rfc(r.reset_requests_s)),
             ("anthropic-ratelimit-tokens-limit".into(), r.limit_tokens.to_string()),
-            ("anthropic-ratelimit-tokens-remaining".into(), r.remaining_tokens.to_string()),
+            (
+                "anthropic-ratelimit-tokens-remaining".into(),
+                r.remaining_tokens.to_string(),
+            ),
             ("anthropic-ratelimit-tokens-reset".into(), rfc(r.reset_tokens_s)),
         ],
         Format::Gemini => vec![],
@@ -240,7 +283,12 @@ fn rfc3339(t: SystemTime) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", sod / 3600, sod % 3600 / 60, sod % 60)
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        sod / 3600,
+        sod % 3600 / 60,
+        sod % 60
+    )
 }
 
 #[cfg(test)]
@@ -259,7 +307,13 @@ mod tests {
     fn streams_carry_usage_the_gateway_can_read() {
         for f in Format::ALL {
             let plan = stream(f, "m", 10, 3, true);
-            let all: String = plan.head.iter().chain(&plan.tokens).chain(&plan.tail).cloned().collect();
+            let all: String = plan
+                .head
+                .iter()
+                .chain(&plan.tokens)
+                .chain(&plan.tail)
+                .cloned()
+                .collect();
             let mut usage = spillway_wire::Usage::default();
             for ev in spillway_wire::SseParser::new().push(all.as_bytes()) {
                 if let Ok(v) = serde_json::from_str::<Value>(&ev.data) {

@@ -21,8 +21,15 @@ use tokio::task::JoinHandle;
 /// so a forgotten simulator does not hold sockets forever.
 const HANG_FOREVER: Duration = Duration::from_secs(600);
 
-const RECORDED_HEADERS: &[&str] =
-    &["traceparent", "tracestate", "authorization", "x-api-key", "x-goog-api-key", "anthropic-version", "anthropic-beta"];
+const RECORDED_HEADERS: &[&str] = &[
+    "traceparent",
+    "tracestate",
+    "authorization",
+    "x-api-key",
+    "x-goog-api-key",
+    "anthropic-version",
+    "anthropic-beta",
+];
 
 #[derive(Default)]
 struct ChannelState {
@@ -100,10 +107,14 @@ impl Drop for SimHandle {
 
 /// Starts a simulator on `listen` (port 0 picks a free port) with `scenario`.
 pub async fn start(listen: SocketAddr, scenario: Scenario) -> crate::Result<SimHandle> {
-    let listener = TcpListener::bind(listen)
-        .await
-        .map_err(|source| crate::Error::Listen { addr: listen.to_string(), source })?;
-    let addr = listener.local_addr().map_err(|source| crate::Error::Listen { addr: listen.to_string(), source })?;
+    let listener = TcpListener::bind(listen).await.map_err(|source| crate::Error::Listen {
+        addr: listen.to_string(),
+        source,
+    })?;
+    let addr = listener.local_addr().map_err(|source| crate::Error::Listen {
+        addr: listen.to_string(),
+        source,
+    })?;
     let state = Arc::new(SimState::default());
     for (name, b) in scenario.channels {
         state.with(&name, |c| c.behavior = b);
@@ -145,12 +156,19 @@ struct InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.state.with(&self.channel, |c| c.stats.in_flight = c.stats.in_flight.saturating_sub(1));
+        self.state.with(&self.channel, |c| {
+            c.stats.in_flight = c.stats.in_flight.saturating_sub(1)
+        });
     }
 }
 
 enum Endpoint {
-    Generate { format: Format, model: Option<String>, stream_from_path: bool, gemini_sse: bool },
+    Generate {
+        format: Format,
+        model: Option<String>,
+        stream_from_path: bool,
+        gemini_sse: bool,
+    },
     ListModels,
 }
 
@@ -162,10 +180,22 @@ fn endpoint(method: &Method, rest: &str, query: &str) -> Option<Endpoint> {
         return None;
     }
     match rest {
-        "/v1/chat/completions" => Some(Endpoint::Generate { format: Format::OpenAi, model: None, stream_from_path: false, gemini_sse: false }),
-        "/v1/messages" => Some(Endpoint::Generate { format: Format::Anthropic, model: None, stream_from_path: false, gemini_sse: false }),
+        "/v1/chat/completions" => Some(Endpoint::Generate {
+            format: Format::OpenAi,
+            model: None,
+            stream_from_path: false,
+            gemini_sse: false,
+        }),
+        "/v1/messages" => Some(Endpoint::Generate {
+            format: Format::Anthropic,
+            model: None,
+            stream_from_path: false,
+            gemini_sse: false,
+        }),
         _ => {
-            let tail = rest.strip_prefix("/v1beta/models/").or_else(|| rest.strip_prefix("/v1/models/"))?;
+            let tail = rest
+                .strip_prefix("/v1beta/models/")
+                .or_else(|| rest.strip_prefix("/v1/models/"))?;
             let (model, action) = tail.rsplit_once(':')?;
             let stream = match action {
                 "generateContent" => false,
@@ -194,16 +224,26 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
         if first == "v1" || first == "v1beta" {
             ("default".to_owned(), path.clone())
         } else {
-            (first.to_owned(), format!("/{}", trimmed.split_once('/').map(|(_, r)| r).unwrap_or_default()))
+            (
+                first.to_owned(),
+                format!("/{}", trimmed.split_once('/').map(|(_, r)| r).unwrap_or_default()),
+            )
         }
     };
-    let seen_path = if query.is_empty() { rest.clone() } else { format!("{rest}?{query}") };
+    let seen_path = if query.is_empty() {
+        rest.clone()
+    } else {
+        format!("{rest}?{query}")
+    };
     let seen_headers: BTreeMap<String, String> = RECORDED_HEADERS
         .iter()
         .filter_map(|h| Some((h.to_string(), req.headers().get(*h)?.to_str().ok()?.to_owned())))
         .collect();
     let Some(ep) = endpoint(req.method(), &rest, &query) else {
-        return Ok(json_response(StatusCode::NOT_FOUND, &json!({"error": {"message": format!("simulator has no endpoint {} {rest}", req.method())}})));
+        return Ok(json_response(
+            StatusCode::NOT_FOUND,
+            &json!({"error": {"message": format!("simulator has no endpoint {} {rest}", req.method())}}),
+        ));
     };
     let body = match req.into_body().collect().await {
         Ok(b) => b.to_bytes(),
@@ -221,16 +261,28 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
         }
         (c.behavior.clone(), f)
     });
-    let guard = InFlight { state: state.clone(), channel: channel.clone() };
+    let guard = InFlight {
+        state: state.clone(),
+        channel: channel.clone(),
+    };
 
-    let Endpoint::Generate { format, model, stream_from_path, gemini_sse } = ep else {
+    let Endpoint::Generate {
+        format,
+        model,
+        stream_from_path,
+        gemini_sse,
+    } = ep
+    else {
         drop(guard);
         return Ok(json_response(StatusCode::OK, &json!({"object": "list", "data": []})));
     };
 
     if fault == Fault::Refuse {
         // Returning an error makes hyper drop the connection without a response.
-        return Err(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "simulated refusal"));
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            "simulated refusal",
+        ));
     }
     if behavior.latency_ms > 0 {
         tokio::time::sleep(Duration::from_millis(behavior.latency_ms)).await;
@@ -240,10 +292,15 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
     }
 
     let parsed: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let model = model.or_else(|| parsed.get("model").and_then(Value::as_str).map(str::to_owned)).unwrap_or_default();
+    let model = model
+        .or_else(|| parsed.get("model").and_then(Value::as_str).map(str::to_owned))
+        .unwrap_or_default();
     let stream = stream_from_path || parsed.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let include_usage = format != Format::OpenAi
-        || parsed.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
+        || parsed
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
     let prompt_tokens = (body.len() as u64).div_ceil(4).max(1);
 
     let mut builder = Response::builder().header(format.upstream_request_id_header(), responses::id("req_"));
@@ -254,7 +311,14 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
     }
 
     match fault {
-        Fault::Status { status, error, retry_after_s, retry_after_date_s, retry_delay, message } => {
+        Fault::Status {
+            status,
+            error,
+            retry_after_s,
+            retry_after_date_s,
+            retry_delay,
+            message,
+        } => {
             let flavor = error.unwrap_or_else(|| ErrorFlavor::for_status(status));
             let msg = message.unwrap_or_else(|| format!("simulated {status} from channel {channel}"));
             let v = responses::error(format, status, flavor, &msg, retry_delay.as_deref());
@@ -262,7 +326,10 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
                 builder = builder.header(header::RETRY_AFTER, s.to_string());
             }
             if let Some(s) = retry_after_date_s {
-                builder = builder.header(header::RETRY_AFTER, httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(s)));
+                builder = builder.header(
+                    header::RETRY_AFTER,
+                    httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(s)),
+                );
             }
             drop(guard);
             return Ok(builder
@@ -285,17 +352,30 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
     if !stream {
         drop(guard);
         let v = responses::body(format, &model, prompt_tokens, n);
-        return Ok(builder.header(header::CONTENT_TYPE, "application/json").body(Body::from(v.to_string())).unwrap_or_default());
+        return Ok(builder
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(v.to_string()))
+            .unwrap_or_default());
     }
 
     let plan = responses::stream(format, &model, prompt_tokens, n, include_usage);
     if format == Format::Gemini && !gemini_sse {
         // Without alt=sse Gemini streams one JSON array.
         drop(guard);
-        let items: Vec<Value> = plan.tokens.iter().filter_map(|e| serde_json::from_str(e.trim().trim_start_matches("data: ")).ok()).collect();
-        return Ok(builder.header(header::CONTENT_TYPE, "application/json").body(Body::from(Value::Array(items).to_string())).unwrap_or_default());
+        let items: Vec<Value> = plan
+            .tokens
+            .iter()
+            .filter_map(|e| serde_json::from_str(e.trim().trim_start_matches("data: ")).ok())
+            .collect();
+        return Ok(builder
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(Value::Array(items).to_string()))
+            .unwrap_or_default());
     }
-    let gap = behavior.tokens_per_second.filter(|t| *t > 0.0).map(|t| Duration::from_secs_f64(1.0 / t));
+    let gap = behavior
+        .tokens_per_second
+        .filter(|t| *t > 0.0)
+        .map(|t| Duration::from_secs_f64(1.0 / t));
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(16);
     tokio::spawn(async move {
         let _guard = guard;
@@ -314,7 +394,12 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
                 // Let hyper flush what was sent: an error in the same poll would abort the
                 // connection with the earlier chunks still in its write buffer.
                 tokio::time::sleep(Duration::from_millis(30)).await;
-                let _ = tx.send(Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "simulated cut"))).await;
+                let _ = tx
+                    .send(Err(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionReset,
+                        "simulated cut",
+                    )))
+                    .await;
                 return;
             }
             if let Some(g) = gap {
@@ -326,7 +411,12 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
         }
         if cut.is_some() {
             tokio::time::sleep(Duration::from_millis(30)).await;
-            let _ = tx.send(Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "simulated cut"))).await;
+            let _ = tx
+                .send(Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionReset,
+                    "simulated cut",
+                )))
+                .await;
             return;
         }
         for e in plan.tail {
@@ -367,13 +457,19 @@ async fn control(state: &SimState, method: Method, path: String, body: Incoming)
                         view(c)
                     }),
                 ),
-                Err(e) => json_response(StatusCode::BAD_REQUEST, &json!({"error": format!("invalid behavior: {e}")})),
+                Err(e) => json_response(
+                    StatusCode::BAD_REQUEST,
+                    &json!({"error": format!("invalid behavior: {e}")}),
+                ),
             }
         }
         (Method::POST, ["channels", name, "reset-stats"]) => json_response(
             StatusCode::OK,
             &state.with(name, |c| {
-                c.stats = ChannelStats { in_flight: c.stats.in_flight, ..Default::default() };
+                c.stats = ChannelStats {
+                    in_flight: c.stats.in_flight,
+                    ..Default::default()
+                };
                 view(c)
             }),
         ),
@@ -381,6 +477,9 @@ async fn control(state: &SimState, method: Method, path: String, body: Incoming)
             state.channels.lock().unwrap_or_else(|p| p.into_inner()).remove(*name);
             json_response(StatusCode::OK, &json!({"deleted": name}))
         }
-        _ => json_response(StatusCode::NOT_FOUND, &json!({"error": format!("no control endpoint {method} /_control{path}")})),
+        _ => json_response(
+            StatusCode::NOT_FOUND,
+            &json!({"error": format!("no control endpoint {method} /_control{path}")}),
+        ),
     }
 }

@@ -14,7 +14,14 @@ pub struct Target {
 }
 
 /// The request a client SDK would send for `target`.
-pub fn request(client: &reqwest::Client, gateway: &str, key: &str, target: &Target, stream: bool, prompt: &str) -> reqwest::RequestBuilder {
+pub fn request(
+    client: &reqwest::Client,
+    gateway: &str,
+    key: &str,
+    target: &Target,
+    stream: bool,
+    prompt: &str,
+) -> reqwest::RequestBuilder {
     match target.format {
         Format::OpenAi => client
             .post(format!("{gateway}/v1/chat/completions"))
@@ -29,7 +36,11 @@ pub fn request(client: &reqwest::Client, gateway: &str, key: &str, target: &Targ
             .json(&json!({"model": target.model, "max_tokens": 256, "stream": stream,
                 "messages": [{"role": "user", "content": prompt}]})),
         Format::Gemini => {
-            let action = if stream { "streamGenerateContent?alt=sse" } else { "generateContent" };
+            let action = if stream {
+                "streamGenerateContent?alt=sse"
+            } else {
+                "generateContent"
+            };
             client
                 .post(format!("{gateway}/v1beta/models/{}:{action}", target.model))
                 .header("x-goog-api-key", key)
@@ -48,7 +59,7 @@ const PROMPTS: &[&str] = &[
 /// Sends about `rps` requests per second to `gateway` until the returned task is aborted.
 pub fn spawn(gateway: String, key: String, targets: Vec<Target>, rps: f64) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        if targets.is_empty() || !(rps > 0.0) {
+        if targets.is_empty() || rps.is_nan() || rps <= 0.0 {
             return;
         }
         let client = reqwest::Client::builder().tcp_nodelay(true).build().unwrap_or_default();

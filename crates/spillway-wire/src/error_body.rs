@@ -140,11 +140,35 @@ mod tests {
     fn a3_error_vocabulary_per_format() {
         // spec: A3
         let cases = [
-            (ErrorKind::RateLimited, 429, "rate_limit_exceeded", "rate_limit_error", "RESOURCE_EXHAUSTED"),
-            (ErrorKind::InsufficientQuota, 402, "insufficient_quota", "billing_error", "RESOURCE_EXHAUSTED"),
+            (
+                ErrorKind::RateLimited,
+                429,
+                "rate_limit_exceeded",
+                "rate_limit_error",
+                "RESOURCE_EXHAUSTED",
+            ),
+            (
+                ErrorKind::InsufficientQuota,
+                402,
+                "insufficient_quota",
+                "billing_error",
+                "RESOURCE_EXHAUSTED",
+            ),
             (ErrorKind::Upstream, 502, "api_error", "api_error", "UNAVAILABLE"),
-            (ErrorKind::InvalidRequest, 400, "invalid_request_error", "invalid_request_error", "INVALID_ARGUMENT"),
-            (ErrorKind::Authentication, 401, "invalid_api_key", "authentication_error", "UNAUTHENTICATED"),
+            (
+                ErrorKind::InvalidRequest,
+                400,
+                "invalid_request_error",
+                "invalid_request_error",
+                "INVALID_ARGUMENT",
+            ),
+            (
+                ErrorKind::Authentication,
+                401,
+                "invalid_api_key",
+                "authentication_error",
+                "UNAUTHENTICATED",
+            ),
         ];
         for (kind, status, oa, an, ge) in cases {
             assert_eq!(kind.status(), status);
@@ -164,14 +188,25 @@ mod tests {
 
     #[test]
     fn openai_param_names_the_field() {
-        let o = parse(error_body(Format::OpenAi, ErrorKind::InvalidRequest, "bad", Some("messages")));
+        let o = parse(error_body(
+            Format::OpenAi,
+            ErrorKind::InvalidRequest,
+            "bad",
+            Some("messages"),
+        ));
         assert_eq!(o["error"]["param"], "messages");
     }
 
     #[test]
     fn a8_retryable_only_for_capacity_and_upstream() {
         // spec: A8
-        for k in [ErrorKind::InvalidRequest, ErrorKind::Authentication, ErrorKind::InsufficientQuota, ErrorKind::PayloadTooLarge, ErrorKind::NotFound] {
+        for k in [
+            ErrorKind::InvalidRequest,
+            ErrorKind::Authentication,
+            ErrorKind::InsufficientQuota,
+            ErrorKind::PayloadTooLarge,
+            ErrorKind::NotFound,
+        ] {
             assert!(!k.retryable(), "{k:?}");
         }
         for k in [ErrorKind::RateLimited, ErrorKind::Upstream] {
@@ -181,7 +216,13 @@ mod tests {
 
     #[test]
     fn stream_error_event_is_one_sse_frame_with_request_id() {
-        let e = String::from_utf8(stream_error_event(Format::Anthropic, ErrorKind::Upstream, "cut", "req-1")).unwrap();
+        let e = String::from_utf8(stream_error_event(
+            Format::Anthropic,
+            ErrorKind::Upstream,
+            "cut",
+            "req-1",
+        ))
+        .unwrap();
         assert!(e.starts_with("event: error\ndata: {"));
         assert!(e.ends_with("\n\n"));
         assert!(e.contains("req-1"));

@@ -35,7 +35,10 @@ impl RequestError {
         }
     }
     fn new(field: Option<&str>, message: impl Into<String>) -> Self {
-        RequestError { field: field.map(str::to_owned), message: message.into() }
+        RequestError {
+            field: field.map(str::to_owned),
+            message: message.into(),
+        }
     }
 }
 
@@ -90,7 +93,11 @@ fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, RequestError> {
         // serde reports a missing field at its parent's path; name the field itself.
         if let Some(rest) = msg.strip_prefix("missing field `") {
             let name = rest.split('`').next().unwrap_or_default();
-            let field = if path == "." { name.to_owned() } else { format!("{path}.{name}") };
+            let field = if path == "." {
+                name.to_owned()
+            } else {
+                format!("{path}.{name}")
+            };
             return RequestError::new(Some(&field), "is required");
         }
         if inner.is_syntax() || inner.is_eof() {
@@ -125,7 +132,9 @@ fn non_empty(field: &str, len: usize) -> Result<(), RequestError> {
 pub fn valid_model_name(model: &str) -> bool {
     !model.is_empty()
         && model.len() <= 256
-        && model.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._@:/".contains(&b))
+        && model
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-._@:/".contains(&b))
         && !model.contains("..")
 }
 
@@ -199,11 +208,21 @@ mod tests {
         assert_eq!(r.model, "gpt-4o-mini");
         assert!(r.stream && r.include_usage);
         assert_eq!(r.max_output_tokens, Some(5));
-        let r = parse_request(Format::Anthropic, None, false,
-            br#"{"model":"claude-haiku-4-5","max_tokens":10,"messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        let r = parse_request(
+            Format::Anthropic,
+            None,
+            false,
+            br#"{"model":"claude-haiku-4-5","max_tokens":10,"messages":[{"role":"user","content":"hi"}]}"#,
+        )
+        .unwrap();
         assert!(!r.stream);
-        let r = parse_request(Format::Gemini, Some("gemini-2.5-flash"), true,
-            br#"{"contents":[{"parts":[{"text":"hi"}]}]}"#).unwrap();
+        let r = parse_request(
+            Format::Gemini,
+            Some("gemini-2.5-flash"),
+            true,
+            br#"{"contents":[{"parts":[{"text":"hi"}]}]}"#,
+        )
+        .unwrap();
         assert_eq!(r.model, "gemini-2.5-flash");
         assert!(r.stream);
     }
@@ -224,7 +243,10 @@ mod tests {
         assert_eq!(e.field.as_deref(), Some("contents"));
         let e = err(Format::OpenAi, r#"{"model":"m","messages":[]}"#);
         assert_eq!(e.field.as_deref(), Some("messages"));
-        let e = err(Format::OpenAi, r#"{"model":"m","messages":[{}],"stream_options":{"include_usage":1}}"#);
+        let e = err(
+            Format::OpenAi,
+            r#"{"model":"m","messages":[{}],"stream_options":{"include_usage":1}}"#,
+        );
         assert_eq!(e.field.as_deref(), Some("stream_options.include_usage"));
     }
 
@@ -256,7 +278,9 @@ mod tests {
                 let _ = parse_request(f, Some("m"), false, &valid[..i]);
             }
             for seed in 0u32..500 {
-                let noise: Vec<u8> = (0..(seed % 40)).map(|i| (seed.wrapping_mul(2654435761).wrapping_add(i * 97) >> 3) as u8).collect();
+                let noise: Vec<u8> = (0..(seed % 40))
+                    .map(|i| (seed.wrapping_mul(2654435761).wrapping_add(i * 97) >> 3) as u8)
+                    .collect();
                 let _ = parse_request(f, Some("m"), false, &noise);
             }
         }

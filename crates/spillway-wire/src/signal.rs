@@ -140,7 +140,9 @@ pub fn parse_go_duration(s: &str) -> Option<u64> {
         }
         let n: f64 = rest[..num_end].parse().ok()?;
         rest = &rest[num_end..];
-        let unit_end = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
+        let unit_end = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
         let factor = match &rest[..unit_end] {
             "ms" => 1.0,
             "s" => 1000.0,
@@ -163,7 +165,14 @@ pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
         return None;
     }
     let num = |r: std::ops::Range<usize>| -> Option<i64> { std::str::from_utf8(b.get(r)?).ok()?.parse().ok() };
-    let (y, mo, d, h, mi, se) = (num(0..4)?, num(5..7)?, num(8..10)?, num(11..13)?, num(14..16)?, num(17..19)?);
+    let (y, mo, d, h, mi, se) = (
+        num(0..4)?,
+        num(5..7)?,
+        num(8..10)?,
+        num(11..13)?,
+        num(14..16)?,
+        num(17..19)?,
+    );
     if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
         return None;
     }
@@ -206,8 +215,9 @@ pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
 fn reset_in_ms(format: Format, value: &str, now: SystemTime) -> Option<u64> {
     match format {
         Format::OpenAi => parse_go_duration(value),
-        Format::Anthropic => parse_rfc3339(value)
-            .map(|t| t.duration_since(now).map(|d| d.as_millis() as u64).unwrap_or(0)),
+        Format::Anthropic => {
+            parse_rfc3339(value).map(|t| t.duration_since(now).map(|d| d.as_millis() as u64).unwrap_or(0))
+        }
         Format::Gemini => None,
     }
 }
@@ -227,14 +237,21 @@ pub fn classify_response(
 ) -> Signal {
     let json: Option<Value> = serde_json::from_slice(body).ok();
     let err = json.as_ref().and_then(|v| v.get("error"));
-    let provider_error_type = err.and_then(|e| match format {
-        // OpenAI's `code` is the precise one (`insufficient_quota`), `type` the family.
-        Format::OpenAi => e.get("code").and_then(Value::as_str).or_else(|| e.get("type").and_then(Value::as_str)),
-        Format::Anthropic => e.get("type").and_then(Value::as_str),
-        Format::Gemini => e.get("status").and_then(Value::as_str),
-    })
-    .map(str::to_owned);
-    let message = err.and_then(|e| e.get("message")).and_then(Value::as_str).map(str::to_owned);
+    let provider_error_type = err
+        .and_then(|e| match format {
+            // OpenAI's `code` is the precise one (`insufficient_quota`), `type` the family.
+            Format::OpenAi => e
+                .get("code")
+                .and_then(Value::as_str)
+                .or_else(|| e.get("type").and_then(Value::as_str)),
+            Format::Anthropic => e.get("type").and_then(Value::as_str),
+            Format::Gemini => e.get("status").and_then(Value::as_str),
+        })
+        .map(str::to_owned);
+    let message = err
+        .and_then(|e| e.get("message"))
+        .and_then(Value::as_str)
+        .map(str::to_owned);
 
     // Wait hint: retry-after-ms, retry-after, then the provider's own reset hints.
     let mut retry_after_ms = header("retry-after-ms")
@@ -251,7 +268,10 @@ pub fn classify_response(
     };
     if status == 429 && format != Format::Gemini {
         let dims: &[(&str, LimitDimension)] = match format {
-            Format::OpenAi => &[("requests", LimitDimension::Requests), ("tokens", LimitDimension::Tokens)],
+            Format::OpenAi => &[
+                ("requests", LimitDimension::Requests),
+                ("tokens", LimitDimension::Tokens),
+            ],
             _ => &[
                 ("requests", LimitDimension::Requests),
                 ("input-tokens", LimitDimension::InputTokens),
@@ -262,7 +282,10 @@ pub fn classify_response(
         for (name, dim) in dims {
             let (rem, reset) = match format {
                 Format::OpenAi => (format!("{remaining}{name}"), format!("{reset_prefix}{name}")),
-                _ => (format!("{remaining}{name}-remaining"), format!("{reset_prefix}{name}-reset")),
+                _ => (
+                    format!("{remaining}{name}-remaining"),
+                    format!("{reset_prefix}{name}-reset"),
+                ),
             };
             if header_num(header, &rem) == Some(0) {
                 limit_dimension.get_or_insert(*dim);
@@ -312,7 +335,11 @@ pub fn classify_response(
                 }
             } else if ty.ends_with("google.rpc.QuotaFailure") {
                 for v in d.get("violations").and_then(Value::as_array).into_iter().flatten() {
-                    let id = v.get("quotaId").or_else(|| v.get("quotaMetric")).and_then(Value::as_str).unwrap_or_default();
+                    let id = v
+                        .get("quotaId")
+                        .or_else(|| v.get("quotaMetric"))
+                        .and_then(Value::as_str)
+                        .unwrap_or_default();
                     if id.contains("PerDay") {
                         // A per-day quota clears only at the daily reset: quota, not pacing.
                         class = ErrorClass::Quota;
@@ -393,10 +420,38 @@ mod tests {
         let c = |f, s, b: &str| classify_response(f, s, &none, b.as_bytes(), now()).class;
         assert_eq!(c(Format::OpenAi, 200, r#"{"id":"x"}"#), ErrorClass::Success);
         assert_eq!(c(Format::OpenAi, 200, "{oops"), ErrorClass::MalformedResponse);
-        assert_eq!(c(Format::OpenAi, 429, r#"{"error":{"code":"rate_limit_exceeded","type":"requests"}}"#), ErrorClass::RateLimit);
-        assert_eq!(c(Format::OpenAi, 429, r#"{"error":{"code":"insufficient_quota","type":"insufficient_quota"}}"#), ErrorClass::Quota);
-        assert_eq!(c(Format::Anthropic, 529, r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#), ErrorClass::Overload);
-        assert_eq!(c(Format::Anthropic, 400, r#"{"type":"error","error":{"type":"billing_error","message":"b"}}"#), ErrorClass::Quota);
+        assert_eq!(
+            c(
+                Format::OpenAi,
+                429,
+                r#"{"error":{"code":"rate_limit_exceeded","type":"requests"}}"#
+            ),
+            ErrorClass::RateLimit
+        );
+        assert_eq!(
+            c(
+                Format::OpenAi,
+                429,
+                r#"{"error":{"code":"insufficient_quota","type":"insufficient_quota"}}"#
+            ),
+            ErrorClass::Quota
+        );
+        assert_eq!(
+            c(
+                Format::Anthropic,
+                529,
+                r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#
+            ),
+            ErrorClass::Overload
+        );
+        assert_eq!(
+            c(
+                Format::Anthropic,
+                400,
+                r#"{"type":"error","error":{"type":"billing_error","message":"b"}}"#
+            ),
+            ErrorClass::Quota
+        );
         assert_eq!(c(Format::Anthropic, 401, "{}"), ErrorClass::Auth);
         assert_eq!(c(Format::Gemini, 403, "{}"), ErrorClass::Auth);
         for s in [500, 502, 504] {
@@ -433,28 +488,58 @@ mod tests {
     #[test]
     fn e1_wait_hints_from_headers() {
         // spec: E1
-        let h = headers(&[("x-ratelimit-remaining-tokens", "0"), ("x-ratelimit-reset-tokens", "6m0s"), ("x-ratelimit-remaining-requests", "10")]);
-        let s = classify_response(Format::OpenAi, 429, &h, br#"{"error":{"code":"rate_limit_exceeded"}}"#, now());
+        let h = headers(&[
+            ("x-ratelimit-remaining-tokens", "0"),
+            ("x-ratelimit-reset-tokens", "6m0s"),
+            ("x-ratelimit-remaining-requests", "10"),
+        ]);
+        let s = classify_response(
+            Format::OpenAi,
+            429,
+            &h,
+            br#"{"error":{"code":"rate_limit_exceeded"}}"#,
+            now(),
+        );
         assert_eq!(s.limit_dimension, Some(LimitDimension::Tokens));
         assert_eq!(s.retry_after_ms, Some(360_000));
-        let h = headers(&[("retry-after", "3"), ("x-ratelimit-remaining-requests", "0"), ("x-ratelimit-reset-requests", "20s")]);
+        let h = headers(&[
+            ("retry-after", "3"),
+            ("x-ratelimit-remaining-requests", "0"),
+            ("x-ratelimit-reset-requests", "20s"),
+        ]);
         let s = classify_response(Format::OpenAi, 429, &h, b"{}", now());
         assert_eq!(s.retry_after_ms, Some(3000), "retry-after wins over reset hints");
         let reset = "2026-05-28T20:27:10Z"; // now + 30 s
-        let h = headers(&[("anthropic-ratelimit-output-tokens-remaining", "0"), ("anthropic-ratelimit-output-tokens-reset", reset)]);
+        let h = headers(&[
+            ("anthropic-ratelimit-output-tokens-remaining", "0"),
+            ("anthropic-ratelimit-output-tokens-reset", reset),
+        ]);
         let s = classify_response(Format::Anthropic, 429, &h, b"{}", now());
         assert_eq!(s.limit_dimension, Some(LimitDimension::OutputTokens));
         assert_eq!(s.retry_after_ms, Some(30_000));
         let h = headers(&[("retry-after-ms", "250")]);
-        assert_eq!(classify_response(Format::Anthropic, 529, &h, b"", now()).retry_after_ms, Some(250));
+        assert_eq!(
+            classify_response(Format::Anthropic, 529, &h, b"", now()).retry_after_ms,
+            Some(250)
+        );
     }
 
     #[test]
     fn classification_never_panics() {
-        let h = headers(&[("retry-after", "\u{0}\u{ffff}"), ("x-ratelimit-remaining-requests", "0"), ("x-ratelimit-reset-requests", "9999999999999999999h")]);
+        let h = headers(&[
+            ("retry-after", "\u{0}\u{ffff}"),
+            ("x-ratelimit-remaining-requests", "0"),
+            ("x-ratelimit-reset-requests", "9999999999999999999h"),
+        ]);
         for f in Format::ALL {
             for status in [0u16, 100, 200, 299, 402, 429, 503, 529, 999] {
-                for body in ["", "{", "null", r#"{"error":5}"#, r#"{"error":{"details":[1,{"@type":5}]}}"#] {
+                for body in [
+                    "",
+                    "{",
+                    "null",
+                    r#"{"error":5}"#,
+                    r#"{"error":{"details":[1,{"@type":5}]}}"#,
+                ] {
                     let _ = classify_response(f, status, &h, body.as_bytes(), now());
                 }
             }

@@ -105,16 +105,47 @@ mod tests {
     #[test]
     fn m2_usage_per_format() {
         // spec: M2
-        let o = Usage::from_json(Format::OpenAi, &json!({"usage":{"prompt_tokens":10,"completion_tokens":5,
-            "prompt_tokens_details":{"cached_tokens":4},"completion_tokens_details":{"reasoning_tokens":2}}}));
-        assert_eq!((o.input_tokens, o.output_tokens, o.cached_input_tokens, o.reasoning_tokens), (Some(10), Some(5), Some(4), Some(2)));
-        let a = Usage::from_json(Format::Anthropic, &json!({"type":"message_start","message":{"usage":{"input_tokens":7,"output_tokens":1,"cache_read_input_tokens":3,"cache_creation_input_tokens":2}}}));
-        assert_eq!((a.input_tokens, a.cached_input_tokens, a.cache_creation_tokens), (Some(7), Some(3), Some(2)));
+        let o = Usage::from_json(
+            Format::OpenAi,
+            &json!({"usage":{"prompt_tokens":10,"completion_tokens":5,
+            "prompt_tokens_details":{"cached_tokens":4},"completion_tokens_details":{"reasoning_tokens":2}}}),
+        );
+        assert_eq!(
+            (
+                o.input_tokens,
+                o.output_tokens,
+                o.cached_input_tokens,
+                o.reasoning_tokens
+            ),
+            (Some(10), Some(5), Some(4), Some(2))
+        );
+        let a = Usage::from_json(
+            Format::Anthropic,
+            &json!({"type":"message_start","message":{"usage":{"input_tokens":7,"output_tokens":1,"cache_read_input_tokens":3,"cache_creation_input_tokens":2}}}),
+        );
+        assert_eq!(
+            (a.input_tokens, a.cached_input_tokens, a.cache_creation_tokens),
+            (Some(7), Some(3), Some(2))
+        );
         let mut total = a;
-        total.merge(Usage::from_json(Format::Anthropic, &json!({"type":"message_delta","usage":{"output_tokens":9}})));
+        total.merge(Usage::from_json(
+            Format::Anthropic,
+            &json!({"type":"message_delta","usage":{"output_tokens":9}}),
+        ));
         assert_eq!((total.input_tokens, total.output_tokens), (Some(7), Some(9)));
-        let g = Usage::from_json(Format::Gemini, &json!({"usageMetadata":{"promptTokenCount":8,"candidatesTokenCount":6,"thoughtsTokenCount":3,"cachedContentTokenCount":1}}));
-        assert_eq!((g.input_tokens, g.output_tokens, g.reasoning_tokens, g.cached_input_tokens), (Some(8), Some(9), Some(3), Some(1)));
+        let g = Usage::from_json(
+            Format::Gemini,
+            &json!({"usageMetadata":{"promptTokenCount":8,"candidatesTokenCount":6,"thoughtsTokenCount":3,"cachedContentTokenCount":1}}),
+        );
+        assert_eq!(
+            (
+                g.input_tokens,
+                g.output_tokens,
+                g.reasoning_tokens,
+                g.cached_input_tokens
+            ),
+            (Some(8), Some(9), Some(3), Some(1))
+        );
         // OpenAI stream chunks without usage (usage: null) report nothing.
         assert!(Usage::from_json(Format::OpenAi, &json!({"usage":null})).is_empty());
     }
