@@ -160,3 +160,19 @@ def test_no_secret_reaches_the_ledger(gateway):
     assert b"sk-wrong-key" not in data
     assert b"sk-upstream" not in data
     assert b"the secret prompt" not in data, "interactive prompts are stored only as hashes"
+
+
+def test_client_hanging_up_mid_call_still_gets_a_complete_record(gateway):
+    # spec: I1, I3
+    ch = gateway.channel("openai")
+    gateway.sim.set(ch, latency_ms=600)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(gateway.url + "/v1/chat/completions", headers={"authorization": f"Bearer {gateway.key}"},
+                       json={"model": MODELS["openai"], "messages": [{"role": "user", "content": "hi"}]}, timeout=0.2)
+        assert wait_for(lambda: len(calling_api_rows(gateway)) == 0, timeout=5), "the call is not left in calling_api"
+        with gateway.db() as con:
+            row = con.execute("SELECT * FROM requests ORDER BY id DESC LIMIT 1").fetchone()
+        assert row["state"] == "done" and row["output_tokens"] == 12, "the provider's answer is still metered"
+    finally:
+        gateway.sim.set(ch)

@@ -19,7 +19,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 use spillway_ledger::{RequestRecord, RequestState};
 use spillway_policy::Key;
-use spillway_wire::{Format, parse_request};
+use spillway_wire::{ErrorKind, Format, parse_request};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -268,7 +268,22 @@ async fn handle(
         Err(e) => return reject(&st, rec, format, e).await,
     };
 
-    upstream::run(&st, rec, admitted, format, &parts, bytes, parsed, trace).await
+    // The attempt runs in its own task so that a client hanging up mid-call cannot cut
+    // the request short halfway: the provider's answer is still read, metered and
+    // recorded. (A stream's end is recorded by the stream itself, however it ends.)
+    let request_id = rec.id.clone();
+    match tokio::spawn(upstream::run(st, rec, admitted, format, parts, bytes, parsed, trace)).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            tracing::error!(error = %e, request_id, "upstream task failed");
+            GatewayError::Upstream {
+                kind: ErrorKind::Upstream,
+                message: "The gateway failed while calling the provider.".into(),
+                retry_after_ms: None,
+            }
+            .into_response(format)
+        }
+    }
 }
 
 fn models_for(st: &AppState, format: Format) -> Vec<String> {

@@ -4,6 +4,7 @@ use crate::error::GatewayError;
 use crate::state::{AppState, ChannelRt};
 use rand::Rng;
 use spillway_wire::Format;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -11,9 +12,9 @@ use tokio::sync::OwnedSemaphorePermit;
 pub const MAX_CAPACITY_WAIT: Duration = Duration::from_secs(10);
 
 /// Channels that speak `format` and serve `model`, in a weighted random order (A4).
-pub fn candidates<'a>(state: &'a AppState, format: Format, model: &str) -> Vec<&'a ChannelRt> {
+pub fn candidates(state: &AppState, format: Format, model: &str) -> Vec<Arc<ChannelRt>> {
     let mut rng = rand::rng();
-    let mut c: Vec<(f64, &ChannelRt)> = state
+    let mut c: Vec<(f64, &Arc<ChannelRt>)> = state
         .channels
         .iter()
         .filter(|c| c.cfg.format == format && c.cfg.serves(model))
@@ -21,12 +22,12 @@ pub fn candidates<'a>(state: &'a AppState, format: Format, model: &str) -> Vec<&
         .map(|c| (rng.random::<f64>().powf(1.0 / f64::from(c.cfg.weight.max(1))), c))
         .collect();
     c.sort_by(|a, b| b.0.total_cmp(&a.0));
-    c.into_iter().map(|(_, c)| c).collect()
+    c.into_iter().map(|(_, c)| c.clone()).collect()
 }
 
 /// A slot on a channel, held until the upstream call (and its stream) ends.
-pub struct Admitted<'a> {
-    pub channel: &'a ChannelRt,
+pub struct Admitted {
+    pub channel: Arc<ChannelRt>,
     pub permit: OwnedSemaphorePermit,
     /// Set when the request waited for capacity.
     pub queued_ms: Option<u64>,
@@ -34,11 +35,11 @@ pub struct Admitted<'a> {
 
 /// Takes a free slot on the first candidate that has one; if all are full, waits (at most
 /// [`MAX_CAPACITY_WAIT`]) for whichever candidate frees first.
-pub async fn admit<'a>(candidates: &[&'a ChannelRt]) -> Result<Admitted<'a>, GatewayError> {
+pub async fn admit(candidates: &[Arc<ChannelRt>]) -> Result<Admitted, GatewayError> {
     for c in candidates {
         if let Ok(permit) = c.permits.clone().try_acquire_owned() {
             return Ok(Admitted {
-                channel: c,
+                channel: c.clone(),
                 permit,
                 queued_ms: None,
             });
@@ -49,7 +50,7 @@ pub async fn admit<'a>(candidates: &[&'a ChannelRt]) -> Result<Admitted<'a>, Gat
     }
     let started = Instant::now();
     let waits = candidates.iter().map(|c| {
-        let c = *c;
+        let c = c.clone();
         Box::pin(async move { c.permits.clone().acquire_owned().await.map(|p| (c, p)) })
     });
     match tokio::time::timeout(MAX_CAPACITY_WAIT, futures_util::future::select_ok(waits)).await {

@@ -17,7 +17,7 @@ pub struct ChannelRt {
 
 pub struct AppState {
     pub config: Config,
-    pub channels: Vec<ChannelRt>,
+    pub channels: Vec<Arc<ChannelRt>>,
     /// Gateway keys by the SHA-256 of their secret (B5): the secret itself is never held.
     pub keys: HashMap<[u8; 32], Arc<Key>>,
     pub ledger: Ledger,
@@ -39,9 +39,11 @@ impl AppState {
         let channels = config
             .channels
             .iter()
-            .map(|c| ChannelRt {
-                cfg: c.clone(),
-                permits: Arc::new(Semaphore::new(c.max_concurrency as usize)),
+            .map(|c| {
+                Arc::new(ChannelRt {
+                    cfg: c.clone(),
+                    permits: Arc::new(Semaphore::new(c.max_concurrency as usize)),
+                })
             })
             .collect();
         let keys = config.keys.iter().map(|k| (k.secret.0, Arc::new(k.clone()))).collect();

@@ -215,16 +215,17 @@ async fn fail(
 
 #[allow(clippy::too_many_arguments)]
 pub async fn run(
-    st: &Arc<AppState>,
+    st: Arc<AppState>,
     mut rec: RequestRecord,
-    admitted: Admitted<'_>,
+    admitted: Admitted,
     format: Format,
-    parts: &Parts,
+    parts: Parts,
     body: Bytes,
     parsed: ParsedRequest,
     trace: TraceContext,
 ) -> Response {
-    let ch = &admitted.channel.cfg;
+    let channel = admitted.channel.clone();
+    let ch = &channel.cfg;
     let timeout_ms = ch.timeout_ms.unwrap_or(st.config.attempt_timeout_ms);
     let timeout = Duration::from_millis(timeout_ms);
     rec.state = RequestState::CallingApi;
@@ -269,7 +270,7 @@ pub async fn run(
                 ErrorClass::Timeout,
                 format!("no response headers within {timeout_ms} ms"),
             );
-            return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
+            return fail(&st, rec, att, s, &ch.name, timeout_ms, format).await;
         }
         Ok(Err(e)) => {
             let class = if e.is_timeout() {
@@ -279,7 +280,7 @@ pub async fn run(
             };
             // reqwest's message names the URL, which holds no secret; keep the cause chain short.
             let s = Signal::transport(class, truncate(format!("{e}")));
-            return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
+            return fail(&st, rec, att, s, &ch.name, timeout_ms, format).await;
         }
         Ok(Ok(r)) => r,
     };
@@ -333,14 +334,14 @@ pub async fn run(
                 ErrorClass::StreamInterrupted,
                 truncate(format!("reading the response body: {e}")),
             );
-            return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
+            return fail(&st, rec, att, s, &ch.name, timeout_ms, format).await;
         }
         Err(_) => {
             let s = Signal::transport(
                 ErrorClass::Timeout,
                 format!("response body not complete within {timeout_ms} ms"),
             );
-            return fail(st, rec, att, s, &ch.name, timeout_ms, format).await;
+            return fail(&st, rec, att, s, &ch.name, timeout_ms, format).await;
         }
     };
     let signal = classify_response(format, status.as_u16(), &lookup, &body, SystemTime::now());
@@ -387,7 +388,7 @@ pub async fn run(
             record(&st.ledger, rec, att).await;
             out
         }
-        _ => fail(st, rec, att, signal, &ch.name, timeout_ms, format).await,
+        _ => fail(&st, rec, att, signal, &ch.name, timeout_ms, format).await,
     }
 }
 

@@ -127,76 +127,96 @@ fn attempt_from_row(r: &SqliteRow) -> Result<AttemptRecord> {
     })
 }
 
+fn upsert_requests(chunk: &[RequestRecord]) -> QueryBuilder<Sqlite> {
+    let mut q: QueryBuilder<Sqlite> = QueryBuilder::new(format!("INSERT INTO requests ({REQUEST_COLUMNS}) "));
+    q.push_values(chunk, |mut b, r| {
+        b.push_bind(r.id.clone())
+            .push_bind(r.trace_id.clone())
+            .push_bind(r.client_request_id.clone())
+            .push_bind(r.upstream_request_id.clone())
+            .push_bind(r.key_name.clone())
+            .push_bind(r.owner.clone())
+            .push_bind(r.workflow.clone())
+            .push_bind(r.format.clone())
+            .push_bind(r.endpoint.clone())
+            .push_bind(r.route.clone())
+            .push_bind(r.channel.clone())
+            .push_bind(r.requested_model.clone())
+            .push_bind(r.served_model.clone())
+            .push_bind(r.stream)
+            .push_bind(r.state.as_str())
+            .push_bind(r.http_status.map(i64::from))
+            .push_bind(r.error_class.clone())
+            .push_bind(r.error_message.clone())
+            .push_bind(i(r.input_tokens))
+            .push_bind(i(r.output_tokens))
+            .push_bind(i(r.cached_input_tokens))
+            .push_bind(i(r.reasoning_tokens))
+            .push_bind(r.cost_usd)
+            .push_bind(r.received_at)
+            .push_bind(r.admitted_at)
+            .push_bind(r.first_token_at)
+            .push_bind(r.finished_at)
+            .push_bind(i(r.queued_ms))
+            .push_bind(i64::from(r.attempts))
+            .push_bind(r.body_sha256.clone())
+            .push_bind(r.partial_output_committed);
+    });
+    q.push(" ON CONFLICT(id) DO UPDATE SET ");
+    let sets: Vec<String> = REQUEST_COLUMNS
+        .split(',')
+        .map(str::trim)
+        .filter(|c| *c != "id")
+        .map(|c| format!("{c} = excluded.{c}"))
+        .collect();
+    q.push(sets.join(", "));
+    q
+}
+
+fn insert_attempts(chunk: &[AttemptRecord]) -> QueryBuilder<Sqlite> {
+    let mut q: QueryBuilder<Sqlite> =
+        QueryBuilder::new(format!("INSERT OR REPLACE INTO attempts ({ATTEMPT_COLUMNS}) "));
+    q.push_values(chunk, |mut b, a| {
+        b.push_bind(a.request_id.clone())
+            .push_bind(i64::from(a.attempt_no))
+            .push_bind(a.channel.clone())
+            .push_bind(a.upstream_request_id.clone())
+            .push_bind(a.http_status.map(i64::from))
+            .push_bind(a.error_class.clone())
+            .push_bind(a.provider_error_type.clone())
+            .push_bind(i(a.retry_after_ms))
+            .push_bind(a.message.clone())
+            .push_bind(a.started_at)
+            .push_bind(a.first_byte_at)
+            .push_bind(a.finished_at)
+            .push_bind(i(a.input_tokens))
+            .push_bind(i(a.output_tokens));
+    });
+    q
+}
+
 #[async_trait]
 impl LedgerBackend for SqliteBackend {
     async fn write_batch(&self, requests: &[RequestRecord], attempts: &[AttemptRecord]) -> Result<()> {
         let mut conn = self.writer.lock().await;
+        // Each statement is a hop to sqlx's SQLite worker thread; a batch of one statement
+        // (the common case for a durable `calling_api` write) runs in autocommit and saves
+        // the BEGIN and COMMIT hops on the request's critical path.
+        let statements = requests.len().div_ceil(ROWS_PER_STATEMENT) + attempts.len().div_ceil(ROWS_PER_STATEMENT);
+        if statements == 1 {
+            if requests.is_empty() {
+                insert_attempts(attempts).build().execute(&mut *conn).await?;
+            } else {
+                upsert_requests(requests).build().execute(&mut *conn).await?;
+            }
+            return Ok(());
+        }
         let mut tx = conn.begin().await?;
         for chunk in requests.chunks(ROWS_PER_STATEMENT) {
-            let mut q: QueryBuilder<Sqlite> = QueryBuilder::new(format!("INSERT INTO requests ({REQUEST_COLUMNS}) "));
-            q.push_values(chunk, |mut b, r| {
-                b.push_bind(r.id.clone())
-                    .push_bind(r.trace_id.clone())
-                    .push_bind(r.client_request_id.clone())
-                    .push_bind(r.upstream_request_id.clone())
-                    .push_bind(r.key_name.clone())
-                    .push_bind(r.owner.clone())
-                    .push_bind(r.workflow.clone())
-                    .push_bind(r.format.clone())
-                    .push_bind(r.endpoint.clone())
-                    .push_bind(r.route.clone())
-                    .push_bind(r.channel.clone())
-                    .push_bind(r.requested_model.clone())
-                    .push_bind(r.served_model.clone())
-                    .push_bind(r.stream)
-                    .push_bind(r.state.as_str())
-                    .push_bind(r.http_status.map(i64::from))
-                    .push_bind(r.error_class.clone())
-                    .push_bind(r.error_message.clone())
-                    .push_bind(i(r.input_tokens))
-                    .push_bind(i(r.output_tokens))
-                    .push_bind(i(r.cached_input_tokens))
-                    .push_bind(i(r.reasoning_tokens))
-                    .push_bind(r.cost_usd)
-                    .push_bind(r.received_at)
-                    .push_bind(r.admitted_at)
-                    .push_bind(r.first_token_at)
-                    .push_bind(r.finished_at)
-                    .push_bind(i(r.queued_ms))
-                    .push_bind(i64::from(r.attempts))
-                    .push_bind(r.body_sha256.clone())
-                    .push_bind(r.partial_output_committed);
-            });
-            q.push(" ON CONFLICT(id) DO UPDATE SET ");
-            let sets: Vec<String> = REQUEST_COLUMNS
-                .split(',')
-                .map(str::trim)
-                .filter(|c| *c != "id")
-                .map(|c| format!("{c} = excluded.{c}"))
-                .collect();
-            q.push(sets.join(", "));
-            q.build().execute(&mut *tx).await?;
+            upsert_requests(chunk).build().execute(&mut *tx).await?;
         }
         for chunk in attempts.chunks(ROWS_PER_STATEMENT) {
-            let mut q: QueryBuilder<Sqlite> =
-                QueryBuilder::new(format!("INSERT OR REPLACE INTO attempts ({ATTEMPT_COLUMNS}) "));
-            q.push_values(chunk, |mut b, a| {
-                b.push_bind(a.request_id.clone())
-                    .push_bind(i64::from(a.attempt_no))
-                    .push_bind(a.channel.clone())
-                    .push_bind(a.upstream_request_id.clone())
-                    .push_bind(a.http_status.map(i64::from))
-                    .push_bind(a.error_class.clone())
-                    .push_bind(a.provider_error_type.clone())
-                    .push_bind(i(a.retry_after_ms))
-                    .push_bind(a.message.clone())
-                    .push_bind(a.started_at)
-                    .push_bind(a.first_byte_at)
-                    .push_bind(a.finished_at)
-                    .push_bind(i(a.input_tokens))
-                    .push_bind(i(a.output_tokens));
-            });
-            q.build().execute(&mut *tx).await?;
+            insert_attempts(chunk).build().execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(())
