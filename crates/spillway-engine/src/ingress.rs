@@ -199,7 +199,7 @@ async fn handle(
         .get::<RequestId>()
         .map(|r| r.0.clone())
         .unwrap_or_else(request_id);
-    let trace = TraceContext::from_header(header_str(&parts.headers, "traceparent"));
+    let trace = TraceContext::from_header(header_str(&parts.headers, "traceparent"), &id);
     let mut rec = RequestRecord {
         id,
         trace_id: trace.trace_id.clone(),

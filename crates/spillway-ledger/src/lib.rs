@@ -44,5 +44,6 @@ pub trait LedgerBackend: Send + Sync + 'static {
     /// Returns how many.
     async fn mark_interrupted_unknown(&self) -> Result<u64>;
     /// Housekeeping the writer must not pay for on its commits (WAL checkpoints).
-    async fn maintain(&self) -> Result<()>;
+    /// Returns how many pages (WAL frames) it folded back into the database.
+    async fn maintain(&self) -> Result<u64>;
 }

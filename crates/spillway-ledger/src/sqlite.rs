@@ -7,8 +7,17 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::{AssertSqlSafe, Connection, QueryBuilder, Row, Sqlite, SqliteConnection, SqlitePool};
 use std::path::Path;
 use std::str::FromStr;
+use std::sync::LazyLock;
 use std::time::Duration;
 use tokio::sync::Mutex;
+
+/// Past this size the checkpoint makes the WAL restart (see `maintain`). Each restart
+/// holds the writer for one short checkpoint (a few ms, mostly fsync), so it should be
+/// rare: at 1,000 requests/s (~10 KB of WAL each) this is one every ten seconds or so.
+const WAL_RESTART_BYTES: u64 = 96 * 1024 * 1024;
+
+/// The WAL file is truncated back to this many bytes after it restarts.
+const WAL_SIZE_LIMIT: u64 = WAL_RESTART_BYTES;
 
 /// SQLite allows 32766 bound parameters per statement; stay well under it.
 const ROWS_PER_STATEMENT: usize = 500;
@@ -18,6 +27,28 @@ const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request
     error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
     admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed";
 
+/// Columns fixed when a request is first written. Leaving them out of the upsert's SET
+/// spares SQLite rewriting their index entries (trace id, client id, time) on every
+/// state change.
+const IMMUTABLE_REQUEST_COLUMNS: &[&str] = &[
+    "id",
+    "trace_id",
+    "client_request_id",
+    "received_at",
+    "format",
+    "endpoint",
+];
+
+static REQUEST_UPSERT: LazyLock<String> = LazyLock::new(|| {
+    let sets: Vec<String> = REQUEST_COLUMNS
+        .split(',')
+        .map(str::trim)
+        .filter(|c| !IMMUTABLE_REQUEST_COLUMNS.contains(c))
+        .map(|c| format!("{c} = excluded.{c}"))
+        .collect();
+    format!(" ON CONFLICT(id) DO UPDATE SET {}", sets.join(", "))
+});
+
 const ATTEMPT_COLUMNS: &str = "request_id, attempt_no, channel, upstream_request_id, http_status, error_class, \
     provider_error_type, retry_after_ms, message, started_at, first_byte_at, finished_at, input_tokens, output_tokens";
 
@@ -26,6 +57,8 @@ pub struct SqliteBackend {
     readers: SqlitePool,
     /// Checkpoints need a writable connection that is not the writer's.
     maintenance: Mutex<SqliteConnection>,
+    /// WAL size past which a checkpoint makes the WAL restart (see `maintain`).
+    pub(crate) wal_restart_bytes: u64,
 }
 
 fn i(v: Option<u64>) -> Option<i64> {
@@ -54,9 +87,16 @@ impl SqliteBackend {
             // the last transactions, which the fsync on checkpoint bounds.
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(5));
-        let mut writer =
-            SqliteConnection::connect_with(&base.clone().create_if_missing(true).pragma("wal_autocheckpoint", "0"))
-                .await?;
+        let mut writer = SqliteConnection::connect_with(
+            &base
+                .clone()
+                .create_if_missing(true)
+                .pragma("wal_autocheckpoint", "0")
+                // After a WAL restart the file is cut back to this size, so one burst
+                // does not keep its disk space for good.
+                .pragma("journal_size_limit", WAL_SIZE_LIMIT.to_string()),
+        )
+        .await?;
         sqlx::migrate!("./migrations").run(&mut writer).await?;
         let maintenance = SqliteConnection::connect_with(&base).await?;
         let readers = SqlitePoolOptions::new()
@@ -67,6 +107,7 @@ impl SqliteBackend {
             writer: Mutex::new(writer),
             readers,
             maintenance: Mutex::new(maintenance),
+            wal_restart_bytes: WAL_RESTART_BYTES,
         })
     }
 }
@@ -162,14 +203,7 @@ fn upsert_requests(chunk: &[RequestRecord]) -> QueryBuilder<Sqlite> {
             .push_bind(r.body_sha256.clone())
             .push_bind(r.partial_output_committed);
     });
-    q.push(" ON CONFLICT(id) DO UPDATE SET ");
-    let sets: Vec<String> = REQUEST_COLUMNS
-        .split(',')
-        .map(str::trim)
-        .filter(|c| *c != "id")
-        .map(|c| format!("{c} = excluded.{c}"))
-        .collect();
-    q.push(sets.join(", "));
+    q.push(&*REQUEST_UPSERT);
     q
 }
 
@@ -193,6 +227,20 @@ fn insert_attempts(chunk: &[AttemptRecord]) -> QueryBuilder<Sqlite> {
             .push_bind(i(a.output_tokens));
     });
     q
+}
+
+/// SQLite's default page size, which the ledger keeps.
+const PAGE_BYTES: u64 = 4096;
+
+/// A PASSIVE checkpoint: (frames in the WAL, frames now in the database).
+async fn checkpoint(conn: &mut SqliteConnection) -> Result<(u64, u64)> {
+    // fetch_all, not fetch_one: a statement left un-stepped keeps a read snapshot open,
+    // and a reader on the WAL stops the writer from ever restarting it.
+    let rows = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)").fetch_all(conn).await?;
+    let Some(row) = rows.first() else { return Ok((0, 0)) };
+    // (busy, frames in the WAL, frames checkpointed); -1 when not in WAL mode.
+    let (wal, done): (i64, i64) = (row.try_get(1)?, row.try_get(2)?);
+    Ok((wal.max(0) as u64, done.max(0) as u64))
 }
 
 #[async_trait]
@@ -254,12 +302,20 @@ impl LedgerBackend for SqliteBackend {
         Ok(r.rows_affected())
     }
 
-    async fn maintain(&self) -> Result<()> {
-        // PASSIVE never blocks the writer; the WAL is folded back while it keeps going.
+    async fn maintain(&self) -> Result<u64> {
+        // Checkpoints run beside the writer so its commits do not pay for them. But the
+        // WAL only restarts (goes back to its start instead of growing) when the writer
+        // begins a transaction at a moment the WAL is fully checkpointed, and a writer
+        // that commits back to back never meets that moment. So once the WAL is large,
+        // the writer is held for a second, short checkpoint of just the frames committed
+        // during the first; its next commit then restarts the WAL.
         let mut conn = self.maintenance.lock().await;
-        sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
-            .execute(&mut *conn)
-            .await?;
-        Ok(())
+        let (wal, done) = checkpoint(&mut conn).await?;
+        if wal * PAGE_BYTES < self.wal_restart_bytes {
+            return Ok(done);
+        }
+        let _writer = self.writer.lock().await;
+        let (_, tail) = checkpoint(&mut conn).await?;
+        Ok(done.max(tail))
     }
 }

@@ -14,11 +14,19 @@ const MAX_BATCH: usize = 2048;
 /// Queued operations before senders wait: backpressure rather than unbounded memory.
 const QUEUE_DEPTH: usize = 65_536;
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// How long fire-and-forget writes wait for a durable write to share a commit with.
+const LINGER: Duration = Duration::from_millis(20);
 
 enum Op {
     Request(Box<RequestRecord>, Option<oneshot::Sender<Result<()>>>),
     Attempt(Box<AttemptRecord>),
     Flush(oneshot::Sender<Result<()>>),
+}
+
+impl Op {
+    fn is_waited_on(&self) -> bool {
+        matches!(self, Op::Request(_, Some(_)) | Op::Flush(_))
+    }
 }
 
 /// The engine's handle on the ledger. Cheap to clone.
@@ -128,6 +136,30 @@ async fn write_loop(backend: Arc<dyn LedgerBackend>, mut rx: mpsc::Receiver<Op>)
         // Group commit: wait for one operation, then take whatever else is already queued.
         if rx.recv_many(&mut ops, MAX_BATCH).await == 0 {
             return;
+        }
+        // Nobody waits on a batch of only fire-and-forget writes (a request's end, its
+        // attempts): hold it a moment so it rides along with the next durable write
+        // instead of paying a commit of its own. Every commit rewrites whole pages in the
+        // WAL, so commits, not rows, are what the disk pays for.
+        if !ops.iter().any(Op::is_waited_on) {
+            let until = tokio::time::Instant::now() + LINGER;
+            while ops.len() < MAX_BATCH {
+                match tokio::time::timeout_at(until, rx.recv()).await {
+                    Ok(Some(op)) => {
+                        let waited_on = op.is_waited_on();
+                        ops.push(op);
+                        if waited_on {
+                            break;
+                        }
+                    }
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            while ops.len() < MAX_BATCH
+                && let Ok(op) = rx.try_recv()
+            {
+                ops.push(op);
+            }
         }
         let mut requests: Vec<RequestRecord> = Vec::new();
         let mut index: HashMap<String, usize> = HashMap::new();
@@ -279,6 +311,44 @@ mod tests {
         assert_eq!(
             reopened.get_request("r2").await.unwrap().unwrap().state,
             RequestState::Done
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn wal_restarts_under_a_writer_that_never_pauses() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let mut backend = SqliteBackend::open(&path).await.unwrap();
+        backend.wal_restart_bytes = 1024 * 1024;
+        let backend = Arc::new(backend);
+        let wal = dir.path().join("l.db-wal");
+        // Commits back to back, as under saturation: a checkpoint beside this writer never
+        // sees a fully checkpointed WAL at the start of a transaction on its own.
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (backend, stop) = (backend.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    backend
+                        .write_batch(&[rec(&format!("r{n:08}"), RequestState::Done)], &[])
+                        .await
+                        .unwrap();
+                    n += 1;
+                }
+            })
+        };
+        let (mut peak, mut frames) = (0, 0);
+        while frames < 20_000 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            frames += backend.maintain().await.unwrap();
+            peak = peak.max(std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        writer.await.unwrap();
+        assert!(
+            peak < 12 * 1024 * 1024,
+            "the WAL restarted: it peaked at {peak} bytes after {frames} frames"
         );
     }
 
