@@ -200,39 +200,16 @@ async fn handle(
         .map(|r| r.0.clone())
         .unwrap_or_else(request_id);
     let trace = TraceContext::from_header(header_str(&parts.headers, "traceparent"), &id);
-    let mut rec = RequestRecord {
+    let mut rec = RequestRecord::received(
         id,
-        trace_id: trace.trace_id.clone(),
-        client_request_id: client_request_id(&parts.headers),
-        upstream_request_id: None,
-        key_name: None,
-        owner: None,
-        workflow: None,
-        format: format.as_str().to_owned(),
-        endpoint: parts.uri.path().to_owned(),
-        route: None,
-        channel: None,
-        requested_model: path_model.clone(),
-        served_model: None,
-        stream: path_stream,
-        state: RequestState::Received,
-        http_status: None,
-        error_class: None,
-        error_message: None,
-        input_tokens: None,
-        output_tokens: None,
-        cached_input_tokens: None,
-        reasoning_tokens: None,
-        cost_usd: None,
+        trace.trace_id.clone(),
+        format.as_str(),
+        parts.uri.path(),
         received_at,
-        admitted_at: None,
-        first_token_at: None,
-        finished_at: None,
-        queued_ms: None,
-        attempts: 0,
-        body_sha256: None,
-        partial_output_committed: false,
-    };
+    );
+    rec.client_request_id = client_request_id(&parts.headers);
+    rec.requested_model = path_model.clone();
+    rec.stream = path_stream;
 
     let key = match authenticate(&st, format, &parts.headers, &parts.uri) {
         Ok(k) => k,

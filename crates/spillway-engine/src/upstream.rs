@@ -395,7 +395,15 @@ pub async fn run(
 /// Does this stream event carry visible output (the "first token", H2)?
 fn carries_output(format: Format, ev: &SseEvent, json: Option<&Value>) -> bool {
     match format {
-        Format::Anthropic => matches!(ev.event.as_deref(), Some("content_block_delta")),
+        // A tool call is visible output from its start (H3), text from its first delta.
+        Format::Anthropic => match ev.event.as_deref() {
+            Some("content_block_delta") => true,
+            Some("content_block_start") => json
+                .and_then(|v| v.pointer("/content_block/type"))
+                .and_then(Value::as_str)
+                .is_some_and(|t| t != "text" && t != "thinking"),
+            _ => false,
+        },
         Format::OpenAi => json.and_then(|v| v.pointer("/choices/0/delta")).is_some_and(|d| {
             d.get("content").and_then(Value::as_str).is_some_and(|s| !s.is_empty())
                 || d.get("tool_calls").is_some_and(|t| !t.is_null())
@@ -576,5 +584,121 @@ impl Drop for Observed {
         if !self.finished {
             self.finish(End::ClientGone);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(event: Option<&str>, data: &str) -> (SseEvent, Option<Value>) {
+        (
+            SseEvent {
+                event: event.map(str::to_owned),
+                data: data.to_owned(),
+            },
+            serde_json::from_str(data).ok(),
+        )
+    }
+
+    #[test]
+    fn h2_first_token_per_format() {
+        // spec: H2, H3
+        let cases = [
+            (
+                Format::OpenAi,
+                None,
+                r#"{"choices":[{"delta":{"role":"assistant","content":""}}]}"#,
+                false,
+            ),
+            (
+                Format::OpenAi,
+                None,
+                r#"{"choices":[{"delta":{"content":"Hi"}}]}"#,
+                true,
+            ),
+            (
+                Format::OpenAi,
+                None,
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#,
+                true,
+            ),
+            (
+                Format::OpenAi,
+                None,
+                r#"{"choices":[],"usage":{"prompt_tokens":1}}"#,
+                false,
+            ),
+            (
+                Format::Anthropic,
+                Some("message_start"),
+                r#"{"type":"message_start"}"#,
+                false,
+            ),
+            (
+                Format::Anthropic,
+                Some("content_block_start"),
+                r#"{"content_block":{"type":"text","text":""}}"#,
+                false,
+            ),
+            (
+                Format::Anthropic,
+                Some("content_block_start"),
+                r#"{"content_block":{"type":"tool_use","name":"x"}}"#,
+                true,
+            ),
+            (
+                Format::Anthropic,
+                Some("content_block_delta"),
+                r#"{"delta":{"type":"text_delta","text":"Hi"}}"#,
+                true,
+            ),
+            (
+                Format::Gemini,
+                None,
+                r#"{"candidates":[{"content":{"parts":[{"text":"Hi"}]}}]}"#,
+                true,
+            ),
+            (
+                Format::Gemini,
+                None,
+                r#"{"usageMetadata":{"promptTokenCount":3}}"#,
+                false,
+            ),
+        ];
+        for (format, event, data, expected) in cases {
+            let (e, j) = ev(event, data);
+            assert_eq!(carries_output(format, &e, j.as_ref()), expected, "{format} {data}");
+        }
+    }
+
+    #[test]
+    fn in_stream_errors_are_noticed() {
+        let (e, j) = ev(
+            Some("error"),
+            r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
+        );
+        assert_eq!(stream_error(&e, j.as_ref()).as_deref(), Some("Overloaded"));
+        let (e, j) = ev(None, r#"{"error":{"message":"boom"}}"#);
+        assert_eq!(stream_error(&e, j.as_ref()).as_deref(), Some("boom"));
+        let (e, j) = ev(Some("content_block_delta"), r#"{"error":"not an error event"}"#);
+        assert_eq!(stream_error(&e, j.as_ref()), None);
+    }
+
+    #[test]
+    fn gemini_client_key_is_not_forwarded() {
+        // spec: P3
+        let uri: http::Uri = "/v1beta/models/m:streamGenerateContent?key=sk-client&alt=sse"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            upstream_url("http://u", Format::Gemini, &uri),
+            "http://u/v1beta/models/m:streamGenerateContent?alt=sse"
+        );
+        let uri: http::Uri = "/v1/chat/completions?foo=1".parse().unwrap();
+        assert_eq!(
+            upstream_url("http://u/p", Format::OpenAi, &uri),
+            "http://u/p/v1/chat/completions?foo=1"
+        );
     }
 }

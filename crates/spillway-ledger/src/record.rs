@@ -84,6 +84,45 @@ pub struct RequestRecord {
     pub partial_output_committed: bool,
 }
 
+impl RequestRecord {
+    /// A request just received: everything not known yet is empty.
+    pub fn received(id: String, trace_id: String, format: &str, endpoint: &str, received_at: i64) -> RequestRecord {
+        RequestRecord {
+            id,
+            trace_id,
+            client_request_id: None,
+            upstream_request_id: None,
+            key_name: None,
+            owner: None,
+            workflow: None,
+            format: format.to_owned(),
+            endpoint: endpoint.to_owned(),
+            route: None,
+            channel: None,
+            requested_model: None,
+            served_model: None,
+            stream: false,
+            state: RequestState::Received,
+            http_status: None,
+            error_class: None,
+            error_message: None,
+            input_tokens: None,
+            output_tokens: None,
+            cached_input_tokens: None,
+            reasoning_tokens: None,
+            cost_usd: None,
+            received_at,
+            admitted_at: None,
+            first_token_at: None,
+            finished_at: None,
+            queued_ms: None,
+            attempts: 0,
+            body_sha256: None,
+            partial_output_committed: false,
+        }
+    }
+}
+
 /// One upstream attempt of a request.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AttemptRecord {

@@ -210,39 +210,24 @@ mod tests {
     use crate::RequestState;
 
     fn rec(id: &str, state: RequestState) -> RequestRecord {
-        RequestRecord {
-            id: id.into(),
-            trace_id: "0af7651916cd43dd8448eb211c80319c".into(),
-            client_request_id: Some("client-1".into()),
-            upstream_request_id: None,
-            key_name: Some("app".into()),
-            owner: Some("team-a".into()),
-            workflow: None,
-            format: "openai".into(),
-            endpoint: "/v1/chat/completions".into(),
-            route: Some("openai:gpt-4o-mini".into()),
-            channel: Some("openai-a".into()),
-            requested_model: Some("gpt-4o-mini".into()),
-            served_model: Some("gpt-4o-mini".into()),
-            stream: false,
-            state,
-            http_status: None,
-            error_class: None,
-            error_message: None,
-            input_tokens: None,
-            output_tokens: None,
-            cached_input_tokens: None,
-            reasoning_tokens: None,
-            cost_usd: None,
-            received_at: 1,
-            admitted_at: Some(2),
-            first_token_at: None,
-            finished_at: None,
-            queued_ms: None,
-            attempts: 0,
-            body_sha256: Some("ab".into()),
-            partial_output_committed: false,
-        }
+        let mut r = RequestRecord::received(
+            id.into(),
+            "0af7651916cd43dd8448eb211c80319c".into(),
+            "openai",
+            "/v1/chat/completions",
+            1,
+        );
+        r.client_request_id = Some("client-1".into());
+        r.key_name = Some("app".into());
+        r.owner = Some("team-a".into());
+        r.route = Some("openai/gpt-4o-mini".into());
+        r.channel = Some("openai-a".into());
+        r.requested_model = Some("gpt-4o-mini".into());
+        r.served_model = Some("gpt-4o-mini".into());
+        r.state = state;
+        r.admitted_at = Some(2);
+        r.body_sha256 = Some("ab".into());
+        r
     }
 
     #[tokio::test]

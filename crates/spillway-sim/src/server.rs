@@ -391,16 +391,7 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
         }
         for (i, e) in plan.tokens.into_iter().enumerate() {
             if cut == Some(i) {
-                // Let hyper flush what was sent: an error in the same poll would abort the
-                // connection with the earlier chunks still in its write buffer.
-                tokio::time::sleep(Duration::from_millis(30)).await;
-                let _ = tx
-                    .send(Err(std::io::Error::new(
-                        std::io::ErrorKind::ConnectionReset,
-                        "simulated cut",
-                    )))
-                    .await;
-                return;
+                return cut_stream(&tx).await;
             }
             if let Some(g) = gap {
                 tokio::time::sleep(g).await;
@@ -410,14 +401,7 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
             }
         }
         if cut.is_some() {
-            tokio::time::sleep(Duration::from_millis(30)).await;
-            let _ = tx
-                .send(Err(std::io::Error::new(
-                    std::io::ErrorKind::ConnectionReset,
-                    "simulated cut",
-                )))
-                .await;
-            return;
+            return cut_stream(&tx).await;
         }
         for e in plan.tail {
             if tx.send(Ok(Bytes::from(e))).await.is_err() {
@@ -431,6 +415,19 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
         .header(header::CACHE_CONTROL, "no-cache")
         .body(body)
         .unwrap_or_default())
+}
+
+/// Breaks the stream off mid-body, as a dropped connection would.
+async fn cut_stream(tx: &tokio::sync::mpsc::Sender<Result<Bytes, std::io::Error>>) {
+    // Let hyper flush what was sent: an error in the same poll would abort the connection
+    // with the earlier chunks still in its write buffer.
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let _ = tx
+        .send(Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "simulated cut",
+        )))
+        .await;
 }
 
 async fn control(state: &SimState, method: Method, path: String, body: Incoming) -> Response<Body> {
