@@ -138,9 +138,12 @@ def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml=""):
     cfg = tmp_path / "gateway.yaml"
     cfg.write_text("\n".join(l for l in lines if l) + "\n")
     proc = subprocess.Popen([str(BIN), "serve", "--config", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=clean_env(SPILLWAY_TEST_KEY=key, UPSTREAM_KEY="sk-upstream-" + prefix))
+                            env=clean_env(SPILLWAY_TEST_KEY=key, UPSTREAM_KEY="sk-upstream-" + prefix,
+                                          SPILLWAY_DATA_DIR=str(tmp_path / "data")))
     line = read_line(proc, "spillway listening on ")
-    return Gateway(proc, line.split()[-1], key, tmp_path / "ledger.db", channels, sim)
+    gw = Gateway(proc, line.split()[-1], key, tmp_path / "ledger.db", channels, sim)
+    gw.admin_token = (tmp_path / "data" / "admin-token").read_text().strip()
+    return gw
 
 
 def stop(proc, timeout=15):

@@ -35,7 +35,16 @@ enum Command {
         /// Send demo traffic to the simulated providers, at this many requests per second.
         #[arg(long, num_args = 0..=1, default_missing_value = "4", value_name = "RPS")]
         demo_traffic: Option<f64>,
+        /// The built console to serve at `/` (default: $SPILLWAY_UI_DIR, else ui/dist beside
+        /// the source tree the binary was built in).
+        #[arg(long)]
+        ui_dir: Option<PathBuf>,
+        /// Print a console link carrying the admin token on stdout (for `make run`).
+        #[arg(long)]
+        show_admin_token: bool,
     },
+    /// Print the admin token the console needs (created on first use, mode 0600).
+    AdminToken,
     /// Validate a config file without serving.
     Check {
         #[arg(long)]
@@ -90,12 +99,39 @@ async fn shutdown_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-async fn serve(
+/// The console build to serve: flag, then $SPILLWAY_UI_DIR, then `ui/dist` of the tree the
+/// binary sits in (`target/<profile>/spillway`).
+fn ui_dir(flag: Option<PathBuf>) -> Option<PathBuf> {
+    flag.or_else(|| {
+        std::env::var_os("SPILLWAY_UI_DIR")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    })
+    .or_else(|| {
+        let exe = std::env::current_exe().ok()?;
+        let dist = exe.parent()?.parent()?.parent()?.join("ui").join("dist");
+        dist.join("index.html").is_file().then_some(dist)
+    })
+}
+
+struct ServeArgs {
     config: Option<PathBuf>,
     listen: Option<SocketAddr>,
     ledger: Option<PathBuf>,
     demo_traffic: Option<f64>,
-) -> Result<()> {
+    ui_dir: Option<PathBuf>,
+    show_admin_token: bool,
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let ServeArgs {
+        config,
+        listen,
+        ledger,
+        demo_traffic,
+        ui_dir: ui_flag,
+        show_admin_token,
+    } = args;
     let (cfg, demo) = match &config {
         Some(path) => (load(path)?, None),
         None => {
@@ -116,9 +152,25 @@ async fn serve(
         (None, Some(LedgerLocation::Sqlite(p))) => p.clone(),
         (None, None) => spillway_engine::data_dir()?.join("ledger.db"),
     };
-    let running = spillway_engine::start(cfg, ledger_path.clone(), listen).await?;
+    let data_dir = spillway_engine::data_dir()?;
+    let token = spillway_engine::admin::AdminToken::load_or_create(&data_dir)
+        .with_context(|| format!("cannot read or create the admin token in {}", data_dir.display()))?;
+    let ui = ui_dir(ui_flag);
+    let opts = spillway_engine::Options {
+        ledger_path: ledger_path.clone(),
+        listen,
+        admin_token: Some(token.clone()),
+        ui_dir: ui.clone(),
+    };
+    let running = spillway_engine::start(cfg, opts).await?;
     let url = format!("http://{}", running.addr);
     announce(&format!("spillway listening on {url}"));
+    match (&ui, show_admin_token) {
+        // The token rides in the fragment, which browsers never send to a server.
+        (Some(_), true) => announce(&format!("console: {url}/#token={}", token.secret())),
+        (Some(_), false) => announce(&format!("console: {url}/ (admin token: `spillway admin-token`)")),
+        (None, _) => tracing::warn!("console not built (ui/dist missing): the admin API is up, the web console is not"),
+    }
     tracing::info!(ledger = %ledger_path.display(), "ledger open");
 
     let mut traffic = None;
@@ -180,7 +232,26 @@ fn main() -> Result<()> {
                 listen,
                 ledger,
                 demo_traffic,
-            } => serve(config, listen, ledger, demo_traffic).await,
+                ui_dir,
+                show_admin_token,
+            } => {
+                serve(ServeArgs {
+                    config,
+                    listen,
+                    ledger,
+                    demo_traffic,
+                    ui_dir,
+                    show_admin_token,
+                })
+                .await
+            }
+            Command::AdminToken => {
+                let dir = spillway_engine::data_dir()?;
+                let token = spillway_engine::admin::AdminToken::load_or_create(&dir)
+                    .with_context(|| format!("cannot read or create the admin token in {}", dir.display()))?;
+                println!("{}", token.secret());
+                Ok(())
+            }
             Command::Check { config } => {
                 let c = load(&config)?;
                 if let Some(w) = &c.listen_warning {

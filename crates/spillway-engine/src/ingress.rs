@@ -43,7 +43,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1beta/models", get(list_models_gemini))
         .route("/healthz", get(|| async { "ok" }))
-        .fallback(not_found)
+        .merge(crate::admin::router(state.clone()))
+        .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(request_id_layer))
         .with_state(state)
@@ -67,6 +68,16 @@ fn format_for_path(path: &str) -> Format {
         Format::Anthropic
     } else {
         Format::OpenAi
+    }
+}
+
+/// API paths get a 404 in their format; anything else is the console, when it is served.
+async fn fallback(State(st): State<Arc<AppState>>, method: Method, uri: Uri) -> Response {
+    let p = uri.path();
+    let api = p.starts_with("/v1") || p.starts_with("/admin") || p.starts_with("/healthz");
+    match (&st.ui_dir, api, method == Method::GET) {
+        (Some(dir), false, true) => crate::admin::console(dir.clone(), p).await,
+        _ => not_found(method, uri).await,
     }
 }
 
@@ -178,7 +189,9 @@ async fn reject(st: &AppState, mut rec: RequestRecord, format: Format, err: Gate
     rec.http_status = Some(err.kind().status());
     rec.error_class = Some(err.class().to_owned());
     rec.error_message = Some(err.to_string());
-    rec.finished_at = Some(now_ms());
+    let now = now_ms();
+    rec.finished_at = Some(now);
+    st.metrics.finished(&rec, false, now);
     if let Err(e) = st.ledger.put_request(rec).await {
         tracing::error!(error = %e, "could not record a rejected request");
     }
@@ -240,7 +253,12 @@ async fn handle(
         };
         return reject(&st, rec, format, e).await;
     }
-    let admitted = match routing::admit(&candidates).await {
+    let on_wait = || {
+        st.metrics.queued(&rec, 1);
+        let (st, rec) = (st.clone(), rec.clone());
+        routing::WaitGuard(Some(Box::new(move || st.metrics.queued(&rec, -1))))
+    };
+    let admitted = match routing::admit(&candidates, on_wait).await {
         Ok(a) => a,
         Err(e) => return reject(&st, rec, format, e).await,
     };

@@ -6,9 +6,11 @@
 //! caller's format; [`embedded`] builds the zero-config default (simulated or real
 //! providers) that `spillway serve` and the desktop shell start with.
 
+pub mod admin;
 pub mod embedded;
 pub mod error;
 pub mod ingress;
+pub mod metrics;
 pub mod routing;
 pub mod state;
 pub mod trace;
@@ -71,11 +73,26 @@ impl Running {
     }
 }
 
-/// Opens the ledger and starts serving `config` on `listen` (or the config's address).
-pub async fn start(config: Config, ledger_path: PathBuf, listen: Option<SocketAddr>) -> Result<Running> {
-    let ledger = Ledger::open_sqlite(&ledger_path).await?;
-    let addr = listen.unwrap_or(config.listen);
-    let state = Arc::new(AppState::new(config, ledger)?);
+/// How the gateway is started, beyond its config.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    pub ledger_path: PathBuf,
+    /// Overrides the config's `listen`.
+    pub listen: Option<SocketAddr>,
+    /// Without a token the admin API refuses everything.
+    pub admin_token: Option<admin::AdminToken>,
+    /// The built console (`ui/dist`), served at `/`.
+    pub ui_dir: Option<PathBuf>,
+}
+
+/// Opens the ledger and starts serving `config`.
+pub async fn start(config: Config, opts: Options) -> Result<Running> {
+    let ledger = Ledger::open_sqlite(&opts.ledger_path).await?;
+    let addr = opts.listen.unwrap_or(config.listen);
+    let mut state = AppState::new(config, ledger)?;
+    state.admin_token = opts.admin_token;
+    state.ui_dir = opts.ui_dir;
+    let state = Arc::new(state);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| Error::Listen { addr, source })?;

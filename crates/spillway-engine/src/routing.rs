@@ -25,6 +25,18 @@ pub fn candidates(state: &AppState, format: Format, model: &str) -> Vec<Arc<Chan
     c.into_iter().map(|(_, c)| c.clone()).collect()
 }
 
+/// Held while a request waits for capacity; its drop ends the wait, however it ends
+/// (admitted, timed out, or the client went away).
+pub struct WaitGuard(pub Option<Box<dyn FnOnce() + Send>>);
+
+impl Drop for WaitGuard {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
+}
+
 /// A slot on a channel, held until the upstream call (and its stream) ends.
 pub struct Admitted {
     pub channel: Arc<ChannelRt>,
@@ -35,7 +47,10 @@ pub struct Admitted {
 
 /// Takes a free slot on the first candidate that has one; if all are full, waits (at most
 /// [`MAX_CAPACITY_WAIT`]) for whichever candidate frees first.
-pub async fn admit(candidates: &[Arc<ChannelRt>]) -> Result<Admitted, GatewayError> {
+pub async fn admit(
+    candidates: &[Arc<ChannelRt>],
+    on_wait: impl FnOnce() -> WaitGuard,
+) -> Result<Admitted, GatewayError> {
     for c in candidates {
         if let Ok(permit) = c.permits.clone().try_acquire_owned() {
             return Ok(Admitted {
@@ -48,6 +63,7 @@ pub async fn admit(candidates: &[Arc<ChannelRt>]) -> Result<Admitted, GatewayErr
     if candidates.is_empty() {
         return Err(GatewayError::CapacityBusy { retry_after_s: 1 });
     }
+    let _waiting = on_wait();
     let started = Instant::now();
     let waits = candidates.iter().map(|c| {
         let c = c.clone();

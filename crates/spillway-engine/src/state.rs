@@ -22,6 +22,9 @@ pub struct AppState {
     pub keys: HashMap<[u8; 32], Arc<Key>>,
     pub ledger: Ledger,
     pub client: reqwest::Client,
+    pub metrics: crate::metrics::Metrics,
+    pub admin_token: Option<crate::admin::AdminToken>,
+    pub ui_dir: Option<std::path::PathBuf>,
 }
 
 impl AppState {
@@ -53,6 +56,9 @@ impl AppState {
             keys,
             ledger,
             client,
+            metrics: Default::default(),
+            admin_token: None,
+            ui_dir: None,
         })
     }
 }

@@ -14,7 +14,7 @@ use futures_util::Stream;
 use http::request::Parts;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 use serde_json::Value;
-use spillway_ledger::{AttemptRecord, Ledger, RequestRecord, RequestState};
+use spillway_ledger::{AttemptRecord, RequestRecord, RequestState};
 use spillway_wire::signal::{ErrorClass, Signal, classify_response};
 use spillway_wire::{ErrorKind, Format, ParsedRequest, SseEvent, SseParser, Usage, stream_error_event};
 use std::future::Future;
@@ -181,7 +181,10 @@ fn apply_usage(rec: &mut RequestRecord, att: &mut AttemptRecord, u: &Usage) {
     att.output_tokens = u.output_tokens;
 }
 
-async fn record(ledger: &Ledger, rec: RequestRecord, att: AttemptRecord) {
+/// Closes an admitted request: live figures, then the ledger.
+async fn record(st: &AppState, rec: RequestRecord, att: AttemptRecord) {
+    st.metrics.finished(&rec, true, rec.finished_at.unwrap_or_else(now_ms));
+    let ledger = &st.ledger;
     if let Err(e) = ledger.put_attempt(att).await {
         tracing::error!(error = %e, "could not record an attempt");
     }
@@ -209,7 +212,7 @@ async fn fail(
     rec.finished_at = att.finished_at;
     let mut resp = err.into_response(format);
     gateway_headers(resp.headers_mut(), &rec);
-    record(&st.ledger, rec, att).await;
+    record(st, rec, att).await;
     resp
 }
 
@@ -239,6 +242,7 @@ pub async fn run(
         tracing::error!(error = %e, request_id = %rec.id, "ledger unavailable; refusing to call upstream");
         return GatewayError::LedgerUnavailable.into_response(format);
     }
+    st.metrics.started(&rec);
 
     let mut rb = st
         .client
@@ -317,7 +321,7 @@ pub async fn run(
             stream_error: None,
             rec: Some(rec),
             att: Some(att),
-            ledger: st.ledger.clone(),
+            st: st.clone(),
             permit: Some(admitted.permit),
             idle: Box::pin(tokio::time::sleep(timeout)),
             idle_timeout: timeout,
@@ -367,7 +371,7 @@ pub async fn run(
                     .unwrap_or(HeaderValue::from_static("application/json")),
             );
             gateway_headers(h, &rec);
-            record(&st.ledger, rec, att).await;
+            record(&st, rec, att).await;
             out
         }
         ErrorClass::InvalidRequest => {
@@ -385,7 +389,7 @@ pub async fn run(
             h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
             h.insert("x-should-retry", HeaderValue::from_static("false"));
             gateway_headers(h, &rec);
-            record(&st.ledger, rec, att).await;
+            record(&st, rec, att).await;
             out
         }
         _ => fail(&st, rec, att, signal, &ch.name, timeout_ms, format).await,
@@ -444,7 +448,7 @@ struct Observed {
     stream_error: Option<String>,
     rec: Option<RequestRecord>,
     att: Option<AttemptRecord>,
-    ledger: Ledger,
+    st: Arc<AppState>,
     permit: Option<OwnedSemaphorePermit>,
     /// Fires when the upstream sends nothing for `idle_timeout`.
     idle: Pin<Box<tokio::time::Sleep>>,
@@ -529,8 +533,8 @@ impl Observed {
                 att.message = Some(truncate(message));
             }
         }
-        let ledger = self.ledger.clone();
-        tokio::spawn(async move { record(&ledger, rec, att).await });
+        let st = self.st.clone();
+        tokio::spawn(async move { record(&st, rec, att).await });
     }
 
     fn error_event(&self, message: &str) -> Bytes {

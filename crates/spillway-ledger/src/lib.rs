@@ -10,7 +10,7 @@ mod record;
 mod sqlite;
 mod writer;
 
-pub use record::{AttemptRecord, RequestRecord, RequestState};
+pub use record::{AttemptRecord, Page, RequestRecord, RequestState, Search};
 pub use sqlite::SqliteBackend;
 pub use writer::Ledger;
 
@@ -40,6 +40,8 @@ pub trait LedgerBackend: Send + Sync + 'static {
     async fn write_batch(&self, requests: &[RequestRecord], attempts: &[AttemptRecord]) -> Result<()>;
     async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>>;
     async fn attempts(&self, request_id: &str) -> Result<Vec<AttemptRecord>>;
+    /// Newest-first page of requests matching `search`.
+    async fn search(&self, search: &Search) -> Result<Page>;
     /// I4: on start-up, requests left in `calling_api` by a crash become `unknown`.
     /// Returns how many.
     async fn mark_interrupted_unknown(&self) -> Result<u64>;

@@ -1,7 +1,8 @@
 use serde::{Deserialize, Serialize};
+use ts_rs::TS;
 
 /// The I3 life of a logical request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, TS)]
 #[serde(rename_all = "snake_case")]
 pub enum RequestState {
     /// Accepted at ingress, not yet sent anywhere.
@@ -49,7 +50,7 @@ impl RequestState {
 }
 
 /// One logical request, with the I1 fields. Times are unix milliseconds.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, TS)]
 pub struct RequestRecord {
     pub id: String,
     pub trace_id: String,
@@ -124,7 +125,7 @@ impl RequestRecord {
 }
 
 /// One upstream attempt of a request.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, TS)]
 pub struct AttemptRecord {
     pub request_id: String,
     pub attempt_no: u32,
@@ -140,4 +141,30 @@ pub struct AttemptRecord {
     pub finished_at: Option<i64>,
     pub input_tokens: Option<u64>,
     pub output_tokens: Option<u64>,
+}
+
+/// A ledger search (the console's explorer). Every filter is optional; results come
+/// newest first, `limit` at a time, and `before` (the last id of a page) continues.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, TS)]
+#[serde(default, deny_unknown_fields)]
+pub struct Search {
+    /// A request id, client request id or trace id.
+    pub q: Option<String>,
+    /// `provider/model`, as in `x-spillway-route`.
+    pub route: Option<String>,
+    pub state: Option<RequestState>,
+    /// Unix milliseconds, inclusive.
+    pub from_ms: Option<i64>,
+    /// Unix milliseconds, exclusive.
+    pub to_ms: Option<i64>,
+    pub before: Option<String>,
+    pub limit: Option<u32>,
+}
+
+/// One page of results.
+#[derive(Clone, Debug, Serialize, Deserialize, TS)]
+pub struct Page {
+    pub items: Vec<RequestRecord>,
+    /// Pass as `before` for the next page; absent on the last page.
+    pub next: Option<String>,
 }

@@ -1,7 +1,7 @@
 //! SQLite in WAL mode: one writer connection owned by the writer task's batches, a small
 //! read pool, and checkpoints on their own connection so commits stay short.
 
-use crate::{AttemptRecord, Error, LedgerBackend, RequestRecord, RequestState, Result};
+use crate::{AttemptRecord, Error, LedgerBackend, Page, RequestRecord, RequestState, Result, Search};
 use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, Connection, QueryBuilder, Row, Sqlite, SqliteConnection, SqlitePool};
@@ -229,6 +229,28 @@ fn insert_attempts(chunk: &[AttemptRecord]) -> QueryBuilder<Sqlite> {
     q
 }
 
+/// The smallest UUIDv7 string of millisecond `ms`: ids compare as strings in time order.
+fn uuid_floor(ms: i64) -> String {
+    let ms = ms.clamp(0, (1 << 48) - 1) as u64;
+    format!("{:08x}-{:04x}-0000-0000-000000000000", ms >> 16, ms & 0xffff)
+}
+
+/// 32 hex digits (a trace id) in UUID form, to look a gateway-made trace id up by key.
+fn hex_to_uuid(s: &str) -> Option<String> {
+    if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let s = s.to_ascii_lowercase();
+    Some(format!(
+        "{}-{}-{}-{}-{}",
+        &s[0..8],
+        &s[8..12],
+        &s[12..16],
+        &s[16..20],
+        &s[20..32]
+    ))
+}
+
 /// SQLite's default page size, which the ledger keeps.
 const PAGE_BYTES: u64 = 4096;
 
@@ -288,6 +310,52 @@ impl LedgerBackend for SqliteBackend {
         .fetch_all(&self.readers)
         .await?;
         rows.iter().map(attempt_from_row).collect()
+    }
+
+    async fn search(&self, s: &Search) -> Result<Page> {
+        let limit = s.limit.unwrap_or(50).clamp(1, 500);
+        let mut q: QueryBuilder<Sqlite> =
+            QueryBuilder::new(format!("SELECT {REQUEST_COLUMNS} FROM requests WHERE 1 = 1"));
+        if let Some(before) = &s.before {
+            q.push(" AND id < ").push_bind(before.clone());
+        }
+        // The key is a UUIDv7, which starts with its millisecond timestamp: a time range is
+        // a key range, so it needs no index of its own.
+        if let Some(from) = s.from_ms {
+            q.push(" AND id >= ").push_bind(uuid_floor(from));
+        }
+        if let Some(to) = s.to_ms {
+            q.push(" AND id < ").push_bind(uuid_floor(to));
+        }
+        if let Some(route) = &s.route {
+            q.push(" AND route = ").push_bind(route.clone());
+        }
+        if let Some(state) = s.state {
+            q.push(" AND state = ").push_bind(state.as_str());
+        }
+        if let Some(needle) = s.q.as_deref().map(str::trim).filter(|n| !n.is_empty()) {
+            // One indexed lookup per kind of id; a trace id the gateway made is its request id.
+            q.push(" AND id IN (SELECT id FROM requests WHERE id = ")
+                .push_bind(needle.to_owned());
+            if let Some(as_id) = hex_to_uuid(needle) {
+                q.push(" UNION SELECT id FROM requests WHERE id = ").push_bind(as_id);
+            }
+            q.push(" UNION SELECT id FROM requests WHERE client_request_id = ")
+                .push_bind(needle.to_owned());
+            q.push(" UNION SELECT id FROM requests WHERE trace_id = ")
+                .push_bind(needle.to_owned())
+                .push(" AND trace_id <> replace(id, '-', ''))");
+        }
+        q.push(" ORDER BY id DESC LIMIT ").push_bind(i64::from(limit) + 1);
+        let rows = q.build().fetch_all(&self.readers).await?;
+        let mut items = rows.iter().map(request_from_row).collect::<Result<Vec<_>>>()?;
+        let next = if items.len() > limit as usize {
+            items.truncate(limit as usize);
+            items.last().map(|r| r.id.clone())
+        } else {
+            None
+        };
+        Ok(Page { items, next })
     }
 
     async fn mark_interrupted_unknown(&self) -> Result<u64> {

@@ -1,6 +1,6 @@
 //! The single writer task and the [`Ledger`] handle the engine holds.
 
-use crate::{AttemptRecord, Error, LedgerBackend, RequestRecord, Result, SqliteBackend};
+use crate::{AttemptRecord, Error, LedgerBackend, Page, RequestRecord, Result, Search, SqliteBackend};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -127,6 +127,10 @@ impl Ledger {
 
     pub async fn attempts(&self, request_id: &str) -> Result<Vec<AttemptRecord>> {
         self.backend.attempts(request_id).await
+    }
+
+    pub async fn search(&self, search: &Search) -> Result<Page> {
+        self.backend.search(search).await
     }
 }
 
@@ -360,5 +364,119 @@ mod tests {
                 RequestState::Done
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod search_tests {
+    use super::*;
+    use crate::RequestState;
+
+    fn rec(ms: u64, n: u16, route: &str, state: RequestState) -> RequestRecord {
+        // UUIDv7-shaped ids: the millisecond timestamp leads.
+        let id = format!("{:08x}-{:04x}-7000-8000-{:012x}", ms >> 16, ms & 0xffff, n);
+        let mut r = RequestRecord::received(
+            id.clone(),
+            id.replace('-', ""),
+            "openai",
+            "/v1/chat/completions",
+            ms as i64,
+        );
+        r.route = Some(route.into());
+        r.state = state;
+        r
+    }
+
+    #[tokio::test]
+    async fn search_pages_filters_and_finds_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
+        let t0 = 1_790_000_000_000u64;
+        for n in 0..120u16 {
+            let state = if n % 10 == 0 {
+                RequestState::Failed
+            } else {
+                RequestState::Done
+            };
+            let route = if n % 2 == 0 { "openai/a" } else { "openai/b" };
+            let mut r = rec(t0 + u64::from(n) * 1000, n, route, state);
+            if n == 7 {
+                r.client_request_id = Some("client-7".into());
+            }
+            if n == 8 {
+                r.trace_id = "4bf92f3577b34da6a3ce929d0e0e4736".into();
+            }
+            ledger.put_request(r).await.unwrap();
+        }
+        ledger.flush().await.unwrap();
+
+        let p1 = ledger
+            .search(&Search {
+                limit: Some(50),
+                ..Search::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(p1.items.len(), 50);
+        assert!(p1.items.windows(2).all(|w| w[0].id > w[1].id), "newest first");
+        let p2 = ledger
+            .search(&Search {
+                limit: Some(50),
+                before: p1.next.clone(),
+                ..Search::default()
+            })
+            .await
+            .unwrap();
+        let p3 = ledger
+            .search(&Search {
+                limit: Some(50),
+                before: p2.next.clone(),
+                ..Search::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!((p2.items.len(), p3.items.len(), p3.next.clone()), (50, 20, None));
+
+        let failed_a = Search {
+            route: Some("openai/a".into()),
+            state: Some(RequestState::Failed),
+            ..Search::default()
+        };
+        assert_eq!(ledger.search(&failed_a).await.unwrap().items.len(), 12);
+
+        let range = Search {
+            from_ms: Some((t0 + 10_000) as i64),
+            to_ms: Some((t0 + 20_000) as i64),
+            ..Search::default()
+        };
+        assert_eq!(ledger.search(&range).await.unwrap().items.len(), 10);
+
+        let find = |q: &str| {
+            let l = ledger.clone();
+            let q = q.to_owned();
+            async move {
+                l.search(&Search {
+                    q: Some(q),
+                    ..Search::default()
+                })
+                .await
+                .unwrap()
+                .items
+            }
+        };
+        let five = rec(t0 + 5000, 5, "", RequestState::Done).id;
+        assert_eq!(find(&five).await[0].id, five);
+        assert_eq!(
+            find(&five.replace('-', "")).await[0].id,
+            five,
+            "a gateway-made trace id is the request id"
+        );
+        assert_eq!(find("client-7").await.len(), 1);
+        assert_eq!(
+            find("4bf92f3577b34da6a3ce929d0e0e4736").await.len(),
+            1,
+            "client-sent trace ids are indexed"
+        );
+        assert!(find("nothing-like-this").await.is_empty());
     }
 }

@@ -1,0 +1,320 @@
+//! The console's admin API under `/admin/v1/` (JSON, plus a server-sent event stream), the
+//! admin token that guards it (P2), and the static console served at `/`.
+
+use crate::ingress::now_ms;
+use crate::metrics::{Headline, RouteFigures, SeriesPoint};
+use crate::state::AppState;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use rand::Rng;
+use serde::Serialize;
+use spillway_ledger::{AttemptRecord, RequestRecord, Search};
+use std::convert::Infallible;
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use subtle::ConstantTimeEq;
+use ts_rs::TS;
+
+/// How often the live stream sends a tick: the UI's refresh rate, whatever the traffic.
+const TICK: Duration = Duration::from_secs(1);
+
+/// The admin token: made on first run, kept in the data directory readable by its owner
+/// only (0600), compared in constant time.
+#[derive(Clone)]
+pub struct AdminToken(String);
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(<redacted>)")
+    }
+}
+
+impl AdminToken {
+    pub fn new(secret: String) -> AdminToken {
+        AdminToken(secret)
+    }
+
+    pub fn secret(&self) -> &str {
+        &self.0
+    }
+
+    pub fn matches(&self, presented: &str) -> bool {
+        self.0.as_bytes().ct_eq(presented.as_bytes()).into()
+    }
+
+    /// Reads `dir/admin-token`, creating it (mode 0600) on first run.
+    pub fn load_or_create(dir: &FsPath) -> std::io::Result<AdminToken> {
+        let path = dir.join("admin-token");
+        match std::fs::read_to_string(&path) {
+            Ok(s) if !s.trim().is_empty() => return Ok(AdminToken(s.trim().to_owned())),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        std::fs::create_dir_all(dir)?;
+        let token = format!(
+            "swa_{:032x}{:016x}",
+            rand::rng().random::<u128>(),
+            rand::rng().random::<u64>()
+        );
+        let mut opts = std::fs::OpenOptions::new();
+        opts.write(true).create(true).truncate(true);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            opts.mode(0o600);
+        }
+        use std::io::Write;
+        let mut f = opts.open(&path)?;
+        f.write_all(token.as_bytes())?;
+        f.sync_all()?;
+        Ok(AdminToken(token))
+    }
+}
+
+/// A channel as the console shows it.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct ChannelView {
+    pub name: String,
+    pub format: String,
+    pub base_url: String,
+    /// Whether calls go to a real provider with a key, or to an unauthenticated endpoint
+    /// such as the simulator.
+    pub has_credential: bool,
+    pub models: Vec<String>,
+    pub in_flight: u32,
+    pub max_concurrency: u32,
+    /// `ok` for now; breakers and wait hints arrive with failover.
+    pub state: String,
+}
+
+/// Everything the overview shows, at connect time.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct Overview {
+    pub now_ms: i64,
+    pub headline: Headline,
+    pub series: Vec<SeriesPoint>,
+    pub routes: Vec<RouteFigures>,
+    pub channels: Vec<ChannelView>,
+}
+
+/// One live update: the newest second and the current tables.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct Tick {
+    pub now_ms: i64,
+    pub headline: Headline,
+    pub point: SeriesPoint,
+    pub routes: Vec<RouteFigures>,
+    pub channels: Vec<ChannelView>,
+}
+
+/// A request with every attempt.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct RequestDetail {
+    pub request: RequestRecord,
+    pub attempts: Vec<AttemptRecord>,
+}
+
+/// An admin API error.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct AdminError {
+    pub error: String,
+}
+
+fn admin_error(status: StatusCode, msg: impl Into<String>) -> Response {
+    (status, axum::Json(AdminError { error: msg.into() })).into_response()
+}
+
+fn channels(st: &AppState) -> Vec<ChannelView> {
+    st.channels
+        .iter()
+        .map(|c| ChannelView {
+            name: c.cfg.name.clone(),
+            format: c.cfg.format.to_string(),
+            base_url: c.cfg.base_url.clone(),
+            has_credential: c.cfg.api_key.is_some(),
+            models: c.cfg.models.clone(),
+            in_flight: c
+                .cfg
+                .max_concurrency
+                .saturating_sub(c.permits.available_permits() as u32),
+            max_concurrency: c.cfg.max_concurrency,
+            state: "ok".into(),
+        })
+        .collect()
+}
+
+fn overview(st: &AppState) -> Overview {
+    let now_ms = now_ms();
+    let now = now_ms.div_euclid(1000);
+    Overview {
+        now_ms,
+        headline: st.metrics.headline(now),
+        series: st.metrics.series(now - crate::metrics::WINDOW_SECONDS as i64 + 1, now),
+        routes: st.metrics.routes(),
+        channels: channels(st),
+    }
+}
+
+fn tick(st: &AppState) -> Tick {
+    let now_ms = now_ms();
+    let now = now_ms.div_euclid(1000);
+    let point = st.metrics.series(now, now).pop().unwrap_or(SeriesPoint {
+        t: now,
+        requests: 0,
+        errors: 0,
+        p50_ms: None,
+        p95_ms: None,
+        in_flight: 0,
+    });
+    Tick {
+        now_ms,
+        headline: st.metrics.headline(now),
+        point,
+        routes: st.metrics.routes(),
+        channels: channels(st),
+    }
+}
+
+async fn require_token(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match (presented, &st.admin_token) {
+        (Some(p), Some(t)) if t.matches(p) => next.run(req).await,
+        (None, _) => admin_error(
+            StatusCode::UNAUTHORIZED,
+            "Missing admin token. Send it as `Authorization: Bearer <token>` (see `spillway admin-token`).",
+        ),
+        _ => admin_error(StatusCode::UNAUTHORIZED, "Wrong admin token."),
+    }
+}
+
+async fn get_overview(State(st): State<Arc<AppState>>) -> Response {
+    axum::Json(overview(&st)).into_response()
+}
+
+async fn events(State(st): State<Arc<AppState>>) -> Response {
+    // One full overview, then one small tick per second: the UI's cost does not grow with
+    // the gateway's traffic.
+    let first = futures_util::stream::once({
+        let st = st.clone();
+        async move { Event::default().event("overview").json_data(overview(&st)) }
+    });
+    let ticks = futures_util::stream::unfold(st, |st| async move {
+        tokio::time::sleep(TICK).await;
+        let ev = Event::default().event("tick").json_data(tick(&st));
+        Some((ev, st))
+    });
+    use futures_util::StreamExt;
+    let stream = first
+        .chain(ticks)
+        .map(|e| Ok::<_, Infallible>(e.unwrap_or_else(|_| Event::default().comment("encode error"))));
+    Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
+}
+
+async fn search(State(st): State<Arc<AppState>>, Query(q): Query<Search>) -> Response {
+    match st.ledger.search(&q).await {
+        Ok(page) => axum::Json(page).into_response(),
+        Err(e) => admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger search failed: {e}")),
+    }
+}
+
+async fn detail(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    match st.ledger.get_request(&id).await {
+        Ok(Some(request)) => match st.ledger.attempts(&id).await {
+            Ok(attempts) => axum::Json(RequestDetail { request, attempts }).into_response(),
+            Err(e) => admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger read failed: {e}")),
+        },
+        Ok(None) => admin_error(StatusCode::NOT_FOUND, format!("No request with id {id}.")),
+        Err(e) => admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger read failed: {e}")),
+    }
+}
+
+pub fn router(st: Arc<AppState>) -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/admin/v1/overview", get(get_overview))
+        .route("/admin/v1/events", get(events))
+        .route("/admin/v1/requests", get(search))
+        .route("/admin/v1/requests/{id}", get(detail))
+        .route_layer(middleware::from_fn_with_state(st, require_token))
+}
+
+/// P5-style headers on the console's own pages: nothing loads from elsewhere.
+const CSP: &str = "default-src 'self'; connect-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; \
+    script-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'";
+
+/// Serves the built console from `dir`, with `index.html` for client-side routes.
+pub async fn console(dir: PathBuf, path: &str) -> Response {
+    let rel = path.trim_start_matches('/');
+    let safe = !rel.split('/').any(|seg| seg == ".." || seg.starts_with('.'));
+    let candidate = if rel.is_empty() || !safe {
+        dir.join("index.html")
+    } else {
+        dir.join(rel)
+    };
+    let file = if candidate.is_file() {
+        candidate
+    } else {
+        dir.join("index.html")
+    };
+    let Ok(bytes) = tokio::fs::read(&file).await else {
+        return admin_error(
+            StatusCode::NOT_FOUND,
+            "The console is not built: run `make run` (it builds ui/).",
+        );
+    };
+    let mime = match file.extension().and_then(|e| e.to_str()) {
+        Some("html") => "text/html; charset=utf-8",
+        Some("js") => "text/javascript; charset=utf-8",
+        Some("css") => "text/css; charset=utf-8",
+        Some("svg") => "image/svg+xml",
+        Some("png") => "image/png",
+        Some("json") => "application/json",
+        _ => "application/octet-stream",
+    };
+    let mut resp = Response::new(Body::from(bytes));
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(mime));
+    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
+    h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn p2_token_file_is_private_and_stable() {
+        // spec: P2
+        let dir = tempfile::tempdir().unwrap();
+        let a = AdminToken::load_or_create(dir.path()).unwrap();
+        let b = AdminToken::load_or_create(dir.path()).unwrap();
+        assert_eq!(a.secret(), b.secret());
+        assert!(a.matches(b.secret()));
+        assert!(!a.matches("swa_wrong"));
+        assert!(!a.matches(""));
+        assert!(!format!("{a:?}").contains(a.secret()));
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(dir.path().join("admin-token"))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600);
+        }
+    }
+}

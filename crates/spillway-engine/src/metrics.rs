@@ -1,0 +1,347 @@
+//! Live figures for the console: a per-second series over the last 15 minutes (requests,
+//! errors, latency, in-flight) and running totals per route. Updated once per request at
+//! its end, read once per second by the admin stream, so the lock is short and cold.
+
+use serde::Serialize;
+use spillway_ledger::{RequestRecord, RequestState};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering};
+use ts_rs::TS;
+
+/// Seconds of history the overview charts show.
+pub const WINDOW_SECONDS: usize = 15 * 60;
+/// Latency buckets: exponential, 2^(i/4) ms, from 1 ms to ~70 s.
+const BUCKETS: usize = 64;
+
+fn bucket_of(ms: u64) -> usize {
+    if ms <= 1 {
+        return 0;
+    }
+    ((ms as f64).log2() * 4.0).ceil().min((BUCKETS - 1) as f64) as usize
+}
+
+fn bucket_ms(i: usize) -> f64 {
+    2f64.powf(i as f64 / 4.0)
+}
+
+#[derive(Clone)]
+struct Second {
+    t: i64,
+    requests: u32,
+    errors: u32,
+    latency: [u32; BUCKETS],
+    in_flight_max: i64,
+}
+
+impl Second {
+    fn new(t: i64) -> Second {
+        Second {
+            t,
+            requests: 0,
+            errors: 0,
+            latency: [0; BUCKETS],
+            in_flight_max: 0,
+        }
+    }
+}
+
+fn quantile(hist: &[u32; BUCKETS], q: f64) -> Option<f64> {
+    let total: u64 = hist.iter().map(|&c| u64::from(c)).sum();
+    if total == 0 {
+        return None;
+    }
+    let target = (q * total as f64).ceil().max(1.0) as u64;
+    let mut seen = 0;
+    for (i, &c) in hist.iter().enumerate() {
+        seen += u64::from(c);
+        if seen >= target {
+            return Some(bucket_ms(i));
+        }
+    }
+    Some(bucket_ms(BUCKETS - 1))
+}
+
+/// One second of the overview series.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct SeriesPoint {
+    /// Unix seconds.
+    pub t: i64,
+    pub requests: u32,
+    pub errors: u32,
+    /// Milliseconds; absent when the second had no finished request.
+    pub p50_ms: Option<f64>,
+    pub p95_ms: Option<f64>,
+    pub in_flight: i64,
+}
+
+/// Totals over the last few seconds, for the headline tiles.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct Headline {
+    /// Averaged over the last 10 s.
+    pub requests_per_s: f64,
+    /// Errors ÷ finished requests over the last 60 s, 0–1; absent without traffic.
+    pub error_rate: Option<f64>,
+    pub p50_ms: Option<f64>,
+    pub p95_ms: Option<f64>,
+    pub in_flight: i64,
+}
+
+/// Running figures for one route (provider, model, owner).
+#[derive(Clone, Debug, Default, Serialize, TS)]
+pub struct RouteFigures {
+    pub provider: String,
+    pub model: String,
+    pub owner: String,
+    pub in_flight: i64,
+    /// Waiting for channel capacity right now.
+    pub queued: i64,
+    pub requests: u64,
+    pub succeeded: u64,
+    pub failed: u64,
+    /// Upstream attempts; attempts ÷ requests is the retry amplification.
+    pub attempts: u64,
+    /// Sum of known costs; `cost_unknown` counts requests whose cost is not known.
+    pub cost_usd: f64,
+    pub cost_unknown: u64,
+}
+
+#[derive(Default)]
+struct Inner {
+    seconds: VecDeque<Second>,
+    routes: BTreeMap<(String, String, String), RouteFigures>,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    inner: Mutex<Inner>,
+    in_flight: AtomicI64,
+}
+
+fn route_key(rec: &RequestRecord) -> Option<(String, String, String)> {
+    Some((
+        rec.format.clone(),
+        rec.requested_model.clone()?,
+        rec.owner.clone().unwrap_or_default(),
+    ))
+}
+
+impl Metrics {
+    fn with<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut g)
+    }
+
+    fn second(inner: &mut Inner, t: i64) -> &mut Second {
+        if inner.seconds.back().is_none_or(|s| s.t < t) {
+            inner.seconds.push_back(Second::new(t));
+            while inner.seconds.len() > WINDOW_SECONDS {
+                inner.seconds.pop_front();
+            }
+        }
+        // A late finish for an earlier second lands in the newest one: close enough, and
+        // the series stays ordered.
+        inner.seconds.back_mut().expect("just pushed")
+    }
+
+    /// A request was admitted to a channel.
+    pub fn started(&self, rec: &RequestRecord) {
+        let now = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        let t = rec.received_at.div_euclid(1000);
+        self.with(|inner| {
+            let s = Self::second(inner, t);
+            s.in_flight_max = s.in_flight_max.max(now);
+            if let Some(k) = route_key(rec) {
+                let r = inner.routes.entry(k.clone()).or_insert_with(|| RouteFigures {
+                    provider: k.0,
+                    model: k.1,
+                    owner: k.2,
+                    ..RouteFigures::default()
+                });
+                r.in_flight += 1;
+            }
+        });
+    }
+
+    /// A request is waiting for capacity (`+1`) or stopped waiting (`-1`).
+    pub fn queued(&self, rec: &RequestRecord, delta: i64) {
+        if let Some(k) = route_key(rec) {
+            self.with(|inner| {
+                let r = inner.routes.entry(k.clone()).or_insert_with(|| RouteFigures {
+                    provider: k.0,
+                    model: k.1,
+                    owner: k.2,
+                    ..RouteFigures::default()
+                });
+                r.queued += delta;
+            });
+        }
+    }
+
+    /// A request ended. `admitted` says whether [`Metrics::started`] saw it.
+    pub fn finished(&self, rec: &RequestRecord, admitted: bool, now_ms: i64) {
+        if admitted {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
+        let ok = rec.state == RequestState::Done;
+        let latency = (now_ms - rec.received_at).max(0) as u64;
+        self.with(|inner| {
+            let s = Self::second(inner, now_ms.div_euclid(1000));
+            s.requests += 1;
+            if !ok {
+                s.errors += 1;
+            }
+            s.latency[bucket_of(latency)] += 1;
+            if let Some(k) = route_key(rec)
+                && let Some(r) = inner.routes.get_mut(&k)
+            {
+                if admitted {
+                    r.in_flight -= 1;
+                }
+                r.requests += 1;
+                r.attempts += u64::from(rec.attempts);
+                if ok {
+                    r.succeeded += 1;
+                } else {
+                    r.failed += 1;
+                }
+                match rec.cost_usd {
+                    Some(c) => r.cost_usd += c,
+                    None => r.cost_unknown += 1,
+                }
+            }
+        });
+    }
+
+    pub fn in_flight(&self) -> i64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// The series from `since` (unix seconds) up to `now`, one point per second, gaps
+    /// filled with zero traffic.
+    pub fn series(&self, since: i64, now: i64) -> Vec<SeriesPoint> {
+        let in_flight = self.in_flight();
+        self.with(|inner| {
+            let mut out = Vec::new();
+            let mut it = inner.seconds.iter().peekable();
+            for t in since.max(now - WINDOW_SECONDS as i64 + 1)..=now {
+                while it.peek().is_some_and(|s| s.t < t) {
+                    it.next();
+                }
+                match it.peek() {
+                    Some(s) if s.t == t => out.push(SeriesPoint {
+                        t,
+                        requests: s.requests,
+                        errors: s.errors,
+                        p50_ms: quantile(&s.latency, 0.5),
+                        p95_ms: quantile(&s.latency, 0.95),
+                        in_flight: if t == now { in_flight } else { s.in_flight_max },
+                    }),
+                    _ => out.push(SeriesPoint {
+                        t,
+                        requests: 0,
+                        errors: 0,
+                        p50_ms: None,
+                        p95_ms: None,
+                        in_flight: if t == now { in_flight } else { 0 },
+                    }),
+                }
+            }
+            out
+        })
+    }
+
+    pub fn headline(&self, now: i64) -> Headline {
+        let in_flight = self.in_flight();
+        self.with(|inner| {
+            let mut hist = [0u32; BUCKETS];
+            let (mut req10, mut req60, mut err60) = (0u64, 0u64, 0u64);
+            for s in inner.seconds.iter().filter(|s| s.t > now - 60) {
+                req60 += u64::from(s.requests);
+                err60 += u64::from(s.errors);
+                if s.t > now - 10 {
+                    req10 += u64::from(s.requests);
+                    for (h, c) in hist.iter_mut().zip(s.latency.iter()) {
+                        *h += c;
+                    }
+                }
+            }
+            Headline {
+                requests_per_s: req10 as f64 / 10.0,
+                // Errors can never exceed requests: both count the same finished requests.
+                error_rate: (req60 > 0).then(|| err60 as f64 / req60 as f64),
+                p50_ms: quantile(&hist, 0.5),
+                p95_ms: quantile(&hist, 0.95),
+                in_flight,
+            }
+        })
+    }
+
+    pub fn routes(&self) -> Vec<RouteFigures> {
+        self.with(|inner| inner.routes.values().cloned().collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(model: &str, state: RequestState, received_ms: i64) -> RequestRecord {
+        let mut r = RequestRecord::received("id".into(), "t".into(), "openai", "/v1/chat/completions", received_ms);
+        r.requested_model = Some(model.into());
+        r.owner = Some("team-a".into());
+        r.state = state;
+        r.attempts = 1;
+        r
+    }
+
+    #[test]
+    fn series_and_routes() {
+        let m = Metrics::default();
+        let base = 1_000_000_000;
+        for i in 0..10 {
+            let r = rec(
+                "m",
+                if i == 9 {
+                    RequestState::Failed
+                } else {
+                    RequestState::Done
+                },
+                base * 1000 + i * 10,
+            );
+            m.started(&r);
+            m.finished(&r, true, base * 1000 + i * 10 + 100);
+        }
+        let s = m.series(base - 2, base + 1);
+        assert_eq!(s.len(), 4);
+        assert_eq!((s[2].requests, s[2].errors), (10, 1));
+        assert!((90.0..=120.0).contains(&s[2].p50_ms.unwrap()), "{:?}", s[2].p50_ms);
+        assert_eq!(s[3].requests, 0);
+        let h = m.headline(base + 1);
+        assert_eq!(h.requests_per_s, 1.0);
+        assert_eq!(h.error_rate, Some(0.1));
+        assert_eq!(h.in_flight, 0);
+        let r = &m.routes()[0];
+        assert_eq!(
+            (r.requests, r.succeeded, r.failed, r.in_flight, r.cost_unknown),
+            (10, 9, 1, 0, 10)
+        );
+    }
+
+    #[test]
+    fn no_traffic_is_not_an_error() {
+        let m = Metrics::default();
+        let h = m.headline(5);
+        assert_eq!(h.error_rate, None);
+        assert_eq!(h.p50_ms, None);
+        assert_eq!(m.series(0, 5).len(), 6);
+    }
+
+    #[test]
+    fn buckets_cover_the_range() {
+        assert_eq!(bucket_of(0), 0);
+        assert_eq!(bucket_of(1), 0);
+        assert!(bucket_ms(bucket_of(100)) >= 100.0 && bucket_ms(bucket_of(100)) < 120.0);
+        assert_eq!(bucket_of(u64::MAX), BUCKETS - 1);
+    }
+}

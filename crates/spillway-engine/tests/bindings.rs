@@ -1,0 +1,57 @@
+//! The console's TypeScript types are generated from the Rust ones (ts-rs) and committed
+//! under `ui/src/bindings/`. This test regenerates them and fails when the committed copy
+//! is stale; `UPDATE_BINDINGS=1 cargo test -p spillway-engine --test bindings` rewrites it.
+
+use spillway_engine::admin::{AdminError, Overview, RequestDetail, Tick};
+use spillway_ledger::{Page, Search};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use ts_rs::{Config, TS};
+
+fn files(dir: &Path) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = entry.path();
+        if p.extension().is_some_and(|e| e == "ts") {
+            out.insert(
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read_to_string(&p).unwrap(),
+            );
+        }
+    }
+    out
+}
+
+#[test]
+fn ui_bindings_are_current() {
+    let tmp = tempfile::tempdir().unwrap();
+    // serde_json writes u64/i64 as JSON numbers, so the UI sees `number`, not `bigint`.
+    let cfg = Config::new().with_out_dir(tmp.path()).with_large_int("number");
+    Overview::export_all(&cfg).unwrap();
+    Tick::export_all(&cfg).unwrap();
+    RequestDetail::export_all(&cfg).unwrap();
+    AdminError::export_all(&cfg).unwrap();
+    Page::export_all(&cfg).unwrap();
+    Search::export_all(&cfg).unwrap();
+    let fresh = files(tmp.path());
+    let committed_dir: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ui/src/bindings");
+    if std::env::var_os("UPDATE_BINDINGS").is_some() {
+        let _ = std::fs::remove_dir_all(&committed_dir);
+        std::fs::create_dir_all(&committed_dir).unwrap();
+        for (name, text) in &fresh {
+            std::fs::write(committed_dir.join(name), text).unwrap();
+        }
+    }
+    let committed = files(&committed_dir);
+    assert_eq!(
+        committed.keys().collect::<Vec<_>>(),
+        fresh.keys().collect::<Vec<_>>(),
+        "ui/src/bindings is stale: run UPDATE_BINDINGS=1 cargo test -p spillway-engine --test bindings"
+    );
+    for (name, text) in &fresh {
+        assert_eq!(
+            &committed[name], text,
+            "ui/src/bindings/{name} is stale: run UPDATE_BINDINGS=1 cargo test -p spillway-engine --test bindings"
+        );
+    }
+}
