@@ -1,0 +1,146 @@
+// Browser end-to-end: the real `spillway serve` (embedded simulator, demo traffic, real
+// SQLite ledger) and the built console, driven in Debian's Chromium.
+import { after, before, test } from 'node:test'
+import assert from 'node:assert/strict'
+import { spawn } from 'node:child_process'
+import { mkdtempSync, readFileSync, mkdirSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { dirname, join, resolve } from 'node:path'
+import { fileURLToPath } from 'node:url'
+import { chromium } from 'playwright-core'
+
+const here = dirname(fileURLToPath(import.meta.url))
+const root = resolve(here, '..', '..')
+const BIN = process.env.SPILLWAY_BIN ?? join(root, 'target', 'debug', 'spillway')
+const SHOTS = join(root, 'docs', 'screenshots')
+
+let gateway, browser, url, demoKey, adminToken
+
+function readLine(proc, prefix, timeoutMs = 20_000) {
+  return new Promise((ok, fail) => {
+    let buf = ''
+    const timer = setTimeout(() => fail(new Error(`no "${prefix}" line within ${timeoutMs} ms`)), timeoutMs)
+    const onData = (d) => {
+      buf += d.toString()
+      for (const line of buf.split('\n')) {
+        if (line.startsWith(prefix)) {
+          clearTimeout(timer)
+          proc.stdout.off('data', onData)
+          ok(line.slice(prefix.length).trim())
+          return
+        }
+      }
+    }
+    proc.stdout.on('data', onData)
+    proc.on('exit', (code) => fail(new Error(`spillway exited with ${code}`)))
+  })
+}
+
+async function until(what, fn, timeoutMs = 15_000) {
+  const end = Date.now() + timeoutMs
+  let last
+  while (Date.now() < end) {
+    last = await fn()
+    if (last) return last
+    await new Promise((r) => setTimeout(r, 200))
+  }
+  throw new Error(`timed out waiting for ${what}`)
+}
+
+before(async () => {
+  const data = mkdtempSync(join(tmpdir(), 'spillway-e2e-'))
+  const env = { ...process.env, SPILLWAY_DATA_DIR: data, SPILLWAY_LOG: 'warn' }
+  for (const k of ['OPENAI_API_KEY', 'ANTHROPIC_API_KEY', 'GEMINI_API_KEY']) delete env[k]
+  gateway = spawn(BIN, ['serve', '--listen', '127.0.0.1:0', '--demo-traffic', '15', '--ui-dir', join(root, 'ui', 'dist')], { env })
+  gateway.stderr.on('data', () => {})
+  const listening = readLine(gateway, 'spillway listening on ')
+  const key = readLine(gateway, 'demo key (shown once): ')
+  url = await listening
+  demoKey = await key
+  adminToken = readFileSync(join(data, 'admin-token'), 'utf8').trim()
+  browser = await chromium.launch({
+    executablePath: '/usr/bin/chromium',
+    args: ['--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking',
+      '--disable-component-update', '--disable-sync'],
+  })
+  mkdirSync(SHOTS, { recursive: true })
+})
+
+after(async () => {
+  await browser?.close()
+  gateway?.kill('SIGTERM')
+})
+
+async function page(colorScheme = 'dark') {
+  const ctx = await browser.newContext({ viewport: { width: 1400, height: 900 }, colorScheme })
+  return ctx.newPage()
+}
+
+test('a wrong admin token is refused, the right one connects', async () => {
+  // spec: P2
+  const p = await page('light')
+  await p.goto(url)
+  await p.getByTestId('connect-token').fill('swa_not_the_token')
+  await p.getByRole('button', { name: 'Connect' }).click()
+  const err = await p.getByTestId('connect-error').textContent()
+  assert.match(err, /refused this admin token/)
+  await p.screenshot({ path: join(SHOTS, 'connect-browser.png') })
+  // And the API itself refuses it, whatever the page does.
+  const r = await fetch(`${url}/admin/v1/overview`, { headers: { Authorization: 'Bearer swa_not_the_token' } })
+  assert.equal(r.status, 401)
+  await p.getByTestId('connect-token').fill(adminToken)
+  await p.getByRole('button', { name: 'Connect' }).click()
+  await p.getByTestId('tile-rps').waitFor()
+  await p.context().close()
+})
+
+test('the overview shows live numbers that change', async () => {
+  const p = await page()
+  await p.goto(`${url}/#token=${adminToken}`)
+  const tile = p.getByTestId('tile-rps')
+  await tile.waitFor()
+  assert.ok(!(await p.url()).includes(adminToken), 'the token leaves the address bar at once')
+  const first = await until('traffic to show', async () => {
+    const t = await tile.textContent()
+    return t && t !== '0.0 req/s' && t !== '—' ? t : null
+  })
+  await until('the figure to move', async () => (await tile.textContent()) !== first)
+  const routes = await p.getByTestId('routes').locator('tbody tr').count()
+  assert.ok(routes >= 3, `routes for every simulated format, got ${routes}`)
+  const channels = await p.getByTestId('channels').textContent()
+  assert.match(channels, /openai-sim/)
+  await p.waitForTimeout(1500)
+  await p.screenshot({ path: join(SHOTS, 'overview-browser.png') })
+  await p.context().close()
+})
+
+test('the ledger search finds a request this test made', async () => {
+  const clientId = `e2e-${Date.now()}`
+  const r = await fetch(`${url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { Authorization: `Bearer ${demoKey}`, 'content-type': 'application/json', 'x-client-request-id': clientId },
+    body: JSON.stringify({ model: 'gpt-4o-mini', messages: [{ role: 'user', content: 'hello from the e2e test' }] }),
+  })
+  assert.equal(r.status, 200)
+  const id = r.headers.get('x-request-id')
+  const p = await page()
+  await p.goto(`${url}/#token=${adminToken}`)
+  await p.getByTestId('tile-rps').waitFor()
+  await p.keyboard.press('2')
+  for (const needle of [id, clientId]) {
+    await p.getByTestId('search').fill(needle)
+    await p.getByTestId('search').press('Enter')
+    await until(`a result for ${needle}`, async () => (await p.getByTestId('results').locator('tbody tr').count()) === 1)
+    assert.match(await p.getByTestId('results').textContent(), new RegExp(id))
+  }
+  await p.getByTestId('results').locator('tbody tr').first().click()
+  const detail = await p.getByTestId('detail').textContent()
+  assert.match(detail, new RegExp(id))
+  assert.match(detail, /openai-sim/)
+  assert.match(detail, new RegExp(clientId))
+  await p.getByTestId('search').fill('')
+  await p.getByTestId('search').press('Enter')
+  await p.waitForTimeout(500)
+  await p.screenshot({ path: join(SHOTS, 'ledger-browser.png') })
+  await p.context().close()
+})

@@ -1,0 +1,102 @@
+import { useMemo } from 'react'
+import type { Connection } from './api'
+import { Chart } from './Chart'
+import { count, ms, pct, rate, usd } from './format'
+import { useLive } from './useLive'
+
+export function OverviewView({ conn }: { conn: Connection }) {
+  const { overview, error, connected } = useLive(conn)
+
+  const charts = useMemo(() => {
+    const s = overview?.series ?? []
+    const t = s.map((p) => p.t)
+    return {
+      traffic: [t, s.map((p) => p.requests), s.map((p) => p.errors)],
+      latency: [t, s.map((p) => p.p50_ms), s.map((p) => p.p95_ms)],
+      inflight: [t, s.map((p) => p.in_flight)],
+    }
+  }, [overview?.series])
+
+  if (!overview) {
+    return (
+      <section aria-busy={!error} className="empty">
+        {error ? <p role="alert" className="error">{error}</p> : <p>Connecting to the gateway…</p>}
+      </section>
+    )
+  }
+  const h = overview.headline
+  const idle = overview.series.every((p) => p.requests === 0) && h.in_flight === 0
+  return (
+    <section>
+      <div className="status-line">
+        <span className={connected ? 'pill ok' : 'pill warn'}>{connected ? 'live' : 'reconnecting'}</span>
+        {error && !connected && <span className="error">{error}</span>}
+        {idle && <span className="muted">No traffic yet: point an SDK at this gateway and requests show up here.</span>}
+      </div>
+      <div className="tiles">
+        <Tile label="Requests" value={rate(h.requests_per_s)} hint="Finished requests per second, averaged over the last 10 s" testid="tile-rps" />
+        <Tile label="Error rate" value={pct(h.error_rate)} hint="Failed ÷ finished requests over the last 60 s" testid="tile-errors" />
+        <Tile label="Latency p50" value={ms(h.p50_ms)} hint="Median time from receipt to the end of the answer, last 10 s" testid="tile-p50" />
+        <Tile label="Latency p95" value={ms(h.p95_ms)} hint="95th percentile, last 10 s" testid="tile-p95" />
+        <Tile label="In flight" value={count(h.in_flight)} hint="Requests admitted to a channel and not finished" testid="tile-inflight" />
+      </div>
+      <div className="charts">
+        <Chart title="Traffic, last 15 min" data={charts.traffic} series={[{ label: 'requests', color: '#3b82f6', unit: '/s' }, { label: 'errors', color: '#ef4444', unit: '/s' }]} />
+        <Chart title="Latency" data={charts.latency} series={[{ label: 'p50', color: '#10b981', unit: 'ms' }, { label: 'p95', color: '#f59e0b', unit: 'ms' }]} />
+        <Chart title="In flight" data={charts.inflight} series={[{ label: 'in flight', color: '#8b5cf6', unit: 'req' }]} />
+      </div>
+      <h2>Routes</h2>
+      {overview.routes.length === 0 ? (
+        <p className="muted">No routes have seen traffic yet.</p>
+      ) : (
+        <table className="grid" data-testid="routes">
+          <thead>
+            <tr>
+              <th>Provider</th><th>Model</th><th>Owner</th><th className="num">In flight</th><th className="num">Queued</th>
+              <th className="num">Requests</th><th className="num" title="Succeeded ÷ finished">Success</th>
+              <th className="num" title="Upstream attempts ÷ requests (retry amplification)">Attempts/req</th><th className="num">Cost</th>
+            </tr>
+          </thead>
+          <tbody>
+            {overview.routes.map((r) => (
+              <tr key={`${r.provider}/${r.model}/${r.owner}`}>
+                <td>{r.provider}</td><td>{r.model}</td><td>{r.owner || '—'}</td>
+                <td className="num">{count(r.in_flight)}</td><td className="num">{count(r.queued)}</td>
+                <td className="num">{count(r.requests)}</td>
+                <td className="num">{pct(r.requests ? r.succeeded / r.requests : null)}</td>
+                <td className="num">{r.requests ? (r.attempts / r.requests).toFixed(2) : '—'}</td>
+                <td className="num">{r.cost_unknown === r.requests ? 'unknown' : usd(r.cost_usd, r.cost_unknown)}</td>
+              </tr>
+            ))}
+          </tbody>
+        </table>
+      )}
+      <h2>Channels</h2>
+      <table className="grid" data-testid="channels">
+        <thead>
+          <tr><th>Channel</th><th>Format</th><th>Upstream</th><th>Models</th><th className="num">In flight / cap</th><th>State</th></tr>
+        </thead>
+        <tbody>
+          {overview.channels.map((c) => (
+            <tr key={c.name}>
+              <td>{c.name}</td><td>{c.format}</td>
+              <td title={c.has_credential ? 'calls carry this channel’s provider key' : 'no provider key'}>{c.base_url}</td>
+              <td>{c.models.join(', ')}</td>
+              <td className="num">{c.in_flight} / {c.max_concurrency}</td>
+              <td><span className={c.state === 'ok' ? 'pill ok' : 'pill bad'}>{c.state}</span></td>
+            </tr>
+          ))}
+        </tbody>
+      </table>
+    </section>
+  )
+}
+
+function Tile({ label, value, hint, testid }: { label: string; value: string; hint: string; testid: string }) {
+  return (
+    <div className="tile" title={hint}>
+      <div className="tile-label">{label}</div>
+      <div className="tile-value" data-testid={testid}>{value}</div>
+    </div>
+  )
+}

@@ -1,0 +1,95 @@
+// The admin API client: every call carries the admin token; live updates come over a
+// fetch-read event stream (EventSource cannot send an Authorization header).
+import type { Overview } from './bindings/Overview'
+import type { Page } from './bindings/Page'
+import type { RequestDetail } from './bindings/RequestDetail'
+import type { Search } from './bindings/Search'
+import type { Tick } from './bindings/Tick'
+
+export type Connection = { url: string; token: string }
+
+export class ApiError extends Error {
+  status: number
+  constructor(status: number, message: string) {
+    super(message)
+    this.status = status
+  }
+}
+
+async function call<T>(conn: Connection, path: string, init?: RequestInit): Promise<T> {
+  let resp: Response
+  try {
+    resp = await fetch(conn.url.replace(/\/$/, '') + path, {
+      ...init,
+      headers: { Authorization: `Bearer ${conn.token}`, ...(init?.headers ?? {}) },
+    })
+  } catch {
+    throw new ApiError(0, `Cannot reach the gateway at ${conn.url}. Is spillway running?`)
+  }
+  if (!resp.ok) {
+    let msg = `HTTP ${resp.status}`
+    try {
+      const body = await resp.json()
+      if (body && typeof body.error === 'string') msg = body.error
+    } catch {
+      /* not JSON */
+    }
+    throw new ApiError(resp.status, msg)
+  }
+  return (await resp.json()) as T
+}
+
+export const getOverview = (c: Connection) => call<Overview>(c, '/admin/v1/overview')
+
+export function searchRequests(c: Connection, s: Search): Promise<Page> {
+  const params = new URLSearchParams()
+  for (const [k, v] of Object.entries(s)) {
+    if (v !== null && v !== undefined && v !== '') params.set(k, String(v))
+  }
+  return call<Page>(c, `/admin/v1/requests?${params}`)
+}
+
+export const getRequest = (c: Connection, id: string) =>
+  call<RequestDetail>(c, `/admin/v1/requests/${encodeURIComponent(id)}`)
+
+export type LiveEvent = { kind: 'overview'; data: Overview } | { kind: 'tick'; data: Tick }
+
+/** Reads the admin event stream until `signal` aborts; reconnects are the caller's. */
+export async function streamEvents(c: Connection, onEvent: (e: LiveEvent) => void, signal: AbortSignal) {
+  const resp = await fetch(c.url.replace(/\/$/, '') + '/admin/v1/events', {
+    headers: { Authorization: `Bearer ${c.token}`, Accept: 'text/event-stream' },
+    signal,
+  }).catch(() => {
+    throw new ApiError(0, `Cannot reach the gateway at ${c.url}. Is spillway running?`)
+  })
+  if (!resp.ok || !resp.body) {
+    let msg = `HTTP ${resp.status}`
+    try {
+      msg = (await resp.json()).error ?? msg
+    } catch {
+      /* not JSON */
+    }
+    throw new ApiError(resp.status, msg)
+  }
+  const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader()
+  let buf = ''
+  for (;;) {
+    const { value, done } = await reader.read()
+    if (done) return
+    buf += value.replace(/\r\n?/g, '\n')
+    let end
+    while ((end = buf.indexOf('\n\n')) >= 0) {
+      const frame = buf.slice(0, end)
+      buf = buf.slice(end + 2)
+      let event = 'message'
+      const data: string[] = []
+      for (const line of frame.split('\n')) {
+        if (line.startsWith('event:')) event = line.slice(6).trim()
+        else if (line.startsWith('data:')) data.push(line.slice(5).replace(/^ /, ''))
+      }
+      if (!data.length) continue
+      const parsed = JSON.parse(data.join('\n'))
+      if (event === 'overview' || event === 'tick') onEvent({ kind: event, data: parsed } as LiveEvent)
+    }
+  }
+}

@@ -1,0 +1,51 @@
+import { useEffect, useState } from 'react'
+import { ApiError, streamEvents, type Connection } from './api'
+import type { Overview } from './bindings/Overview'
+
+export type LiveState = { overview: Overview | null; error: string | null; connected: boolean }
+
+/** The overview, kept current by the admin event stream; reconnects with backoff. */
+export function useLive(conn: Connection): LiveState {
+  const [state, setState] = useState<LiveState>({ overview: null, error: null, connected: false })
+
+  useEffect(() => {
+    const abort = new AbortController()
+    let delay = 500
+    const run = async () => {
+      while (!abort.signal.aborted) {
+        try {
+          await streamEvents(
+            conn,
+            (e) => {
+              delay = 500
+              setState((prev) => {
+                if (e.kind === 'overview') return { overview: e.data, error: null, connected: true }
+                if (!prev.overview) return prev
+                const t = e.data
+                const series = prev.overview.series.filter((p) => p.t !== t.point.t && p.t > t.point.t - 900)
+                series.push(t.point)
+                return {
+                  connected: true,
+                  error: null,
+                  overview: { ...prev.overview, now_ms: t.now_ms, headline: t.headline, routes: t.routes, channels: t.channels, series },
+                }
+              })
+            },
+            abort.signal,
+          )
+        } catch (err) {
+          if (abort.signal.aborted) return
+          const msg = err instanceof ApiError ? err.message : String(err)
+          setState((prev) => ({ ...prev, error: msg, connected: false }))
+          if (err instanceof ApiError && err.status === 401) return
+        }
+        await new Promise((r) => setTimeout(r, delay))
+        delay = Math.min(delay * 2, 10_000)
+      }
+    }
+    run()
+    return () => abort.abort()
+  }, [conn])
+
+  return state
+}
