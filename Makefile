@@ -7,7 +7,7 @@ VENV := .venv
 CARGO ?= cargo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test bench deps deps-system deps-browser deps-rust deps-python deps-ui ui build build-release lint fmt clean
+.PHONY: run test bench deps deps-system deps-browser deps-desktop deps-rust deps-python deps-ui ui build build-release build-desktop lint fmt clean
 
 deps-system:
 	@missing=""; \
@@ -48,6 +48,26 @@ deps-ui: deps-system
 ui: deps-ui
 	cd ui && npm run build
 
+## System libraries for the Tauri desktop shell, and its WebDriver test tools
+## (Xvfb, Debian's WebKitWebDriver, tauri-driver from crates.io).
+deps-desktop: deps-rust
+	@missing=""; \
+	pkg-config --exists webkit2gtk-4.1 2>/dev/null || missing="$$missing libwebkit2gtk-4.1-dev"; \
+	pkg-config --exists ayatana-appindicator3-0.1 2>/dev/null || missing="$$missing libayatana-appindicator3-dev"; \
+	pkg-config --exists librsvg-2.0 2>/dev/null || missing="$$missing librsvg2-dev"; \
+	[ -e /usr/include/xdo.h ] || missing="$$missing libxdo-dev"; \
+	command -v WebKitWebDriver >/dev/null || missing="$$missing webkit2gtk-driver"; \
+	command -v xvfb-run >/dev/null || missing="$$missing xvfb xauth"; \
+	if [ -n "$$missing" ]; then \
+		echo "==> installing system packages for the desktop shell:$$missing"; \
+		$(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+	@command -v tauri-driver >/dev/null || [ -x $$HOME/.cargo/bin/tauri-driver ] || { \
+		echo "==> installing tauri-driver"; $(CARGO) install tauri-driver@2.1.0 --locked; }
+
+build-desktop: deps-desktop ui
+	$(CARGO) build -p spillway-desktop
+
 deps: deps-system deps-rust deps-python deps-ui
 
 build: deps-system deps-rust
@@ -60,10 +80,17 @@ build-release: deps-system deps-rust
 ## providers (real ones for any OPENAI_API_KEY / ANTHROPIC_API_KEY / GEMINI_API_KEY set),
 ## demo traffic so there is something to watch. Prints the console's address with its
 ## admin token; open it in a browser. Ctrl-C stops it.
-run: build-release ui
-	./target/release/spillway serve --demo-traffic --show-admin-token --ui-dir ui/dist
+run: ui
+	@if [ -n "$$DISPLAY$$WAYLAND_DISPLAY" ]; then \
+		$(MAKE) --no-print-directory deps-desktop && $(CARGO) build --release -p spillway-desktop \
+		&& SPILLWAY_UI_DIR=$(CURDIR)/ui/dist ./target/release/spillway-desktop; \
+	else \
+		echo "==> no display: starting the gateway headless; open the console link below in a browser"; \
+		$(MAKE) --no-print-directory build-release \
+		&& ./target/release/spillway serve --demo-traffic --show-admin-token --ui-dir ui/dist; \
+	fi
 
-lint: deps-rust deps-ui
+lint: deps-rust deps-ui deps-desktop
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	cd ui && npm run lint
@@ -76,10 +103,11 @@ fmt:
 ## end-to-end tests (real gateway, Debian's Chromium; screenshots into docs/screenshots),
 ## then the black-box suite (real binary, real simulator process, real SQLite file,
 ## official SDKs).
-test: deps deps-browser build ui lint
-	$(CARGO) test --workspace
+test: deps deps-browser build ui build-desktop lint
+	$(CARGO) test --workspace --exclude spillway-desktop
 	cd ui && npm test
 	cd ui && SPILLWAY_BIN=$(CURDIR)/target/debug/spillway npm run e2e
+	cd ui && PATH="$$HOME/.cargo/bin:$$PATH" xvfb-run -a -s "-screen 0 1400x900x24" npm run e2e:desktop
 	SPILLWAY_BIN=$(CURDIR)/target/debug/spillway $(VENV)/bin/pytest tests -q -p no:cacheprovider
 
 ## Gateway overhead over the simulator at fixed rates and at saturation; JSON under bench/results/.

@@ -151,8 +151,11 @@ def test_unknown_model_and_path(gateway):
     # A model served only by a channel of another format is not routed across formats.
     r = post(gateway, "openai", gateway.key, json={"model": MODELS["anthropic"], "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404
-    r = httpx.get(gateway.url + "/v2/nothing")
+    r = httpx.get(gateway.url + "/v1/nothing")
     assert r.status_code == 404 and r.headers["x-request-id"]
+    assert "No such endpoint" in r.json()["error"]["message"]
+    r = httpx.post(gateway.url + "/v1beta/models/x:countTokens", headers={"x-goog-api-key": gateway.key}, json={})
+    assert r.status_code == 404 and r.json()["error"]["status"] == "NOT_FOUND"
     r = httpx.get(gateway.url + "/v1/chat/completions")
     assert r.status_code == 405 and r.headers["x-request-id"]
 

@@ -180,12 +180,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             tracing::info!(channel = %c.name, format = %c.format, upstream = if c.api_key.is_some() { "real provider" } else { "simulator" }, "channel ready");
         }
         if let Some(rps) = demo_traffic {
-            traffic = Some(spillway_sim::traffic::spawn(
-                url.clone(),
-                e.demo_key.clone(),
-                e.simulated.clone(),
-                rps,
-            ));
+            traffic = Some(spillway_engine::embedded::demo_traffic(url.clone(), e, rps));
             tracing::info!(rps, "demo traffic started");
         }
     } else if demo_traffic.is_some() {

@@ -51,6 +51,11 @@ const PROVIDERS: &[Provider] = &[
     },
 ];
 
+/// Starts demo traffic against the gateway at `url`, to the simulated models only.
+pub fn demo_traffic(url: String, e: &Embedded, rps: f64) -> tokio::task::JoinHandle<()> {
+    spillway_sim::traffic::spawn(url, e.demo_key.clone(), e.simulated.clone(), rps)
+}
+
 /// Builds the embedded config; starts the simulator if any provider has no key.
 pub async fn build(env: &dyn Fn(&str) -> Option<String>) -> Result<Embedded> {
     let simulated_formats: Vec<&Provider> = PROVIDERS

@@ -1,0 +1,96 @@
+// Desktop end-to-end: the real Tauri binary under Xvfb, driven through tauri-driver and
+// Debian's WebKitWebDriver (raw W3C WebDriver over loopback; ports chosen by the OS).
+import { after, before, test } from 'node:test'
+import assert from 'node:assert/strict'
+import { spawn } from 'node:child_process'
+import { mkdtempSync, writeFileSync, mkdirSync } from 'node:fs'
+import { createServer } from 'node:net'
+import { tmpdir } from 'node:os'
+import { dirname, join, resolve } from 'node:path'
+import { fileURLToPath } from 'node:url'
+
+const here = dirname(fileURLToPath(import.meta.url))
+const root = resolve(here, '..', '..')
+const APP = process.env.SPILLWAY_DESKTOP ?? join(root, 'target', 'debug', 'spillway-desktop')
+const DRIVER = process.env.TAURI_DRIVER ?? join(process.env.HOME ?? '/root', '.cargo', 'bin', 'tauri-driver')
+const SHOTS = join(root, 'docs', 'screenshots')
+const ELEMENT = 'element-6066-11e4-a52e-4f735466cecf'
+
+let driver, base, session
+
+function freePort() {
+  return new Promise((ok, fail) => {
+    const s = createServer()
+    s.listen(0, '127.0.0.1', () => {
+      const { port } = s.address()
+      s.close(() => ok(port))
+    })
+    s.on('error', fail)
+  })
+}
+
+async function wd(method, path, body) {
+  const r = await fetch(base + path, {
+    method,
+    headers: { 'content-type': 'application/json' },
+    body: body ? JSON.stringify(body) : undefined,
+  })
+  const json = await r.json()
+  if (!r.ok) throw new Error(`${method} ${path}: ${JSON.stringify(json.value ?? json)}`)
+  return json.value
+}
+
+async function until(what, fn, timeoutMs = 30_000) {
+  const end = Date.now() + timeoutMs
+  let lastErr
+  while (Date.now() < end) {
+    try {
+      const v = await fn()
+      if (v) return v
+    } catch (e) {
+      lastErr = e
+    }
+    await new Promise((r) => setTimeout(r, 300))
+  }
+  throw new Error(`timed out waiting for ${what}${lastErr ? `: ${lastErr.message}` : ''}`)
+}
+
+async function text(css) {
+  const el = await wd('POST', `/session/${session}/element`, { using: 'css selector', value: css })
+  return wd('GET', `/session/${session}/element/${el[ELEMENT]}/text`)
+}
+
+before(async () => {
+  const port = await freePort()
+  const nativePort = await freePort()
+  const data = mkdtempSync(join(tmpdir(), 'spillway-desktop-'))
+  const env = { ...process.env, SPILLWAY_DATA_DIR: data, SPILLWAY_UI_DIR: join(root, 'ui', 'dist'), LANG: 'en_US.UTF-8' }
+  for (const k of ['OPENAI_API_KEY', 'ANTHROPIC_API_KEY', 'GEMINI_API_KEY']) delete env[k]
+  driver = spawn(DRIVER, ['--port', String(port), '--native-port', String(nativePort), '--native-driver', '/usr/bin/WebKitWebDriver'], { env })
+  driver.stderr.on('data', () => {})
+  base = `http://127.0.0.1:${port}`
+  await until('tauri-driver to listen', async () => (await fetch(`${base}/status`).catch(() => null))?.ok, 20_000)
+  const s = await wd('POST', '/session', {
+    capabilities: { alwaysMatch: { browserName: 'wry', 'tauri:options': { application: APP } } },
+  })
+  session = s.sessionId
+})
+
+after(async () => {
+  if (session) await wd('DELETE', `/session/${session}`).catch(() => {})
+  driver?.kill()
+})
+
+test('the desktop window opens connected and shows live numbers', async () => {
+  const rps = await until('live traffic in the window', async () => {
+    const t = await text('[data-testid="tile-rps"]')
+    return t && t !== '0.0 req/s' && t !== '—' ? t : null
+  })
+  assert.match(rps, /req\/s$/)
+  const channels = await text('[data-testid="channels"]')
+  assert.match(channels, /openai-sim/)
+  await new Promise((r) => setTimeout(r, 1500))
+  mkdirSync(SHOTS, { recursive: true })
+  const png = await wd('GET', `/session/${session}/screenshot`)
+  writeFileSync(join(SHOTS, 'overview-desktop.png'), Buffer.from(png, 'base64'))
+})
