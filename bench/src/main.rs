@@ -42,6 +42,143 @@ struct Args {
     /// Concurrent clients for the maximum-throughput run.
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
+    /// Rows in the ledger-search benchmark (0 skips it).
+    #[arg(long, default_value_t = 1_000_000)]
+    ledger_rows: u64,
+    /// Only run the ledger-search benchmark.
+    #[arg(long)]
+    ledger_only: bool,
+}
+
+#[derive(Serialize)]
+struct SearchTiming {
+    query: &'static str,
+    results: usize,
+    ms: f64,
+}
+
+/// The console's ledger searches against a ledger of `rows` requests: each must stay
+/// interactive however large the ledger grows.
+async fn ledger_search(rows: u64) -> Result<Vec<SearchTiming>> {
+    use spillway_ledger::{LedgerBackend, RequestRecord, RequestState, Search, SqliteBackend};
+    let dir = tempfile::tempdir()?;
+    let backend = SqliteBackend::open(&dir.path().join("ledger.db")).await?;
+    let t0: u64 = 1_790_000_000_000;
+    let id = |n: u64| {
+        let ms = t0 + n * 10; // 100 requests/s of history
+        format!("{:08x}-{:04x}-7000-8000-{:012x}", ms >> 16, ms & 0xffff, n)
+    };
+    let routes = [
+        "openai/gpt-4o-mini",
+        "anthropic/claude-haiku-4-5",
+        "gemini/gemini-2.5-flash",
+    ];
+    eprintln!("filling a ledger with {rows} requests ...");
+    let started = Instant::now();
+    let mut batch = Vec::with_capacity(2000);
+    for n in 0..rows {
+        let rid = id(n);
+        let mut r = RequestRecord::received(
+            rid.clone(),
+            rid.replace('-', ""),
+            "openai",
+            "/v1/chat/completions",
+            (t0 + n * 10) as i64,
+        );
+        r.route = Some(routes[(n % 3) as usize].into());
+        r.state = if n % 50 == 0 {
+            RequestState::Failed
+        } else {
+            RequestState::Done
+        };
+        if n % 100 == 7 {
+            r.client_request_id = Some(format!("client-{n}"));
+        }
+        batch.push(r);
+        if batch.len() == 2000 {
+            backend.write_batch(&batch, &[]).await?;
+            batch.clear();
+        }
+    }
+    backend.write_batch(&batch, &[]).await?;
+    eprintln!("filled in {:.1} s", started.elapsed().as_secs_f64());
+    let last = rows.saturating_sub(1);
+    let mut out = Vec::new();
+    let time = |query: &'static str, s: Search| {
+        let backend = &backend;
+        async move {
+            let t = Instant::now();
+            let page = backend.search(&s).await?;
+            Ok::<_, anyhow::Error>(SearchTiming {
+                query,
+                results: page.items.len(),
+                ms: t.elapsed().as_secs_f64() * 1000.0,
+            })
+        }
+    };
+    out.push(time("newest page (50)", Search::default()).await?);
+    out.push(
+        time(
+            "page deep in history (cursor)",
+            Search {
+                before: Some(id(rows / 2)),
+                ..Search::default()
+            },
+        )
+        .await?,
+    );
+    out.push(
+        time(
+            "by request id",
+            Search {
+                q: Some(id(last / 3)),
+                ..Search::default()
+            },
+        )
+        .await?,
+    );
+    out.push(
+        time(
+            "by trace id",
+            Search {
+                q: Some(id(last / 4).replace('-', "")),
+                ..Search::default()
+            },
+        )
+        .await?,
+    );
+    out.push(
+        time(
+            "by client request id",
+            Search {
+                q: Some(format!("client-{}", (last / 200) * 100 + 7)),
+                ..Search::default()
+            },
+        )
+        .await?,
+    );
+    out.push(
+        time(
+            "route + state filter",
+            Search {
+                route: Some(routes[1].into()),
+                state: Some(RequestState::Failed),
+                ..Search::default()
+            },
+        )
+        .await?,
+    );
+    out.push(
+        time(
+            "last 15 minutes",
+            Search {
+                from_ms: Some((t0 + last * 10) as i64 - 900_000),
+                ..Search::default()
+            },
+        )
+        .await?,
+    );
+    Ok(out)
 }
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -231,6 +368,8 @@ struct Report {
     max_throughput_direct_rps: f64,
     max_throughput_gateway_rps: f64,
     concurrency: usize,
+    ledger_rows: u64,
+    ledger_search: Vec<SearchTiming>,
 }
 
 fn us(v: u64) -> String {
@@ -244,6 +383,12 @@ fn us(v: u64) -> String {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
+    if args.ledger_only {
+        for t in ledger_search(args.ledger_rows).await? {
+            println!("| {:<32} | {:>6} | {:>9.2} ms |", t.query, t.results, t.ms);
+        }
+        return Ok(());
+    }
     let dir = tempfile::tempdir()?;
     let (_sim, sim_url) = spawn(
         &args.spillway,
@@ -345,6 +490,20 @@ async fn main() -> Result<()> {
         args.concurrency
     );
 
+    let searches = if args.ledger_rows > 0 {
+        ledger_search(args.ledger_rows).await?
+    } else {
+        Vec::new()
+    };
+    if !searches.is_empty() {
+        println!("\nledger search with {} requests in the ledger\n", args.ledger_rows);
+        println!("| {:<32} | {:>7} | {:>12} |", "query", "results", "time");
+        println!("|---|---|---|");
+        for t in &searches {
+            println!("| {:<32} | {:>7} | {:>9.2} ms |", t.query, t.results, t.ms);
+        }
+    }
+
     let when = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_secs();
@@ -359,6 +518,8 @@ async fn main() -> Result<()> {
         max_throughput_direct_rps: max_d,
         max_throughput_gateway_rps: max_g,
         concurrency: args.concurrency,
+        ledger_rows: args.ledger_rows,
+        ledger_search: searches,
     };
     std::fs::create_dir_all(&args.out)?;
     let json = serde_json::to_string_pretty(&report)?;

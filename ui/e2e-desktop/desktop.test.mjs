@@ -90,7 +90,26 @@ test('the desktop window opens connected and shows live numbers', async () => {
   const channels = await text('[data-testid="channels"]')
   assert.match(channels, /openai-sim/)
   await new Promise((r) => setTimeout(r, 1500))
+  await shot('overview-desktop.png')
+})
+
+test('the desktop window shows the ledger and the connection screen', async () => {
+  await click('//nav//button[normalize-space()="Ledger"]')
+  await until('ledger rows', async () => (await text('[data-testid="results"]')).includes('done'))
+  await shot('ledger-desktop.png')
+  await click('//button[normalize-space()="Disconnect"]')
+  const form = await until('the connection screen', async () => text('.connect'))
+  assert.match(form, /Connect to a gateway/)
+  await shot('connect-desktop.png')
+})
+
+async function click(xpath) {
+  const el = await wd('POST', `/session/${session}/element`, { using: 'xpath', value: xpath })
+  await wd('POST', `/session/${session}/element/${el[ELEMENT]}/click`, {})
+}
+
+async function shot(name) {
   mkdirSync(SHOTS, { recursive: true })
   const png = await wd('GET', `/session/${session}/screenshot`)
-  writeFileSync(join(SHOTS, 'overview-desktop.png'), Buffer.from(png, 'base64'))
-})
+  writeFileSync(join(SHOTS, name), Buffer.from(png, 'base64'))
+}

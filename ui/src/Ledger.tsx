@@ -8,7 +8,7 @@ import { count, ms, since, time } from './format'
 const STATES: RequestState[] = ['received', 'calling_api', 'api_completed', 'side_effect_pending', 'done', 'failed', 'unknown']
 
 export function LedgerView({ conn }: { conn: Connection }) {
-  const [draft, setDraft] = useState({ q: '', route: '', state: '' })
+  const [draft, setDraft] = useState({ q: '', route: '', state: '', window: '' })
   const [search, setSearch] = useState<Search>({ q: null, route: null, state: null, from_ms: null, to_ms: null, before: null, limit: 50 })
   const [cursors, setCursors] = useState<(string | null)[]>([])
   const [selected, setSelected] = useState<string | null>(null)
@@ -41,7 +41,9 @@ export function LedgerView({ conn }: { conn: Connection }) {
   const submit = (e: React.FormEvent) => {
     e.preventDefault()
     setCursors([])
-    setSearch({ ...search, q: draft.q.trim() || null, route: draft.route.trim() || null, state: (draft.state || null) as RequestState | null, before: null })
+    // A time window is a key range on the server: cheap at any ledger size.
+    const from_ms = draft.window ? Date.now() - Number(draft.window) * 60_000 : null
+    setSearch({ ...search, q: draft.q.trim() || null, route: draft.route.trim() || null, state: (draft.state || null) as RequestState | null, from_ms, before: null })
   }
 
   return (
@@ -54,6 +56,12 @@ export function LedgerView({ conn }: { conn: Connection }) {
           <option value="">Any state</option>
           {STATES.map((s) => <option key={s} value={s}>{s}</option>)}
         </select>
+        <select aria-label="Time window" value={draft.window} onChange={(e) => setDraft({ ...draft, window: e.target.value })}>
+          <option value="">Any time</option>
+          <option value="15">Last 15 min</option>
+          <option value="60">Last hour</option>
+          <option value="1440">Last 24 h</option>
+        </select>
         <button type="submit">Search</button>
       </form>
       {page.error && <p role="alert" className="error">{(page.error as Error).message}</p>}
@@ -62,7 +70,7 @@ export function LedgerView({ conn }: { conn: Connection }) {
           {page.isPending ? (
             <p className="muted">Loading…</p>
           ) : items.length === 0 ? (
-            <p className="muted" data-testid="no-results">{search.q || search.route || search.state ? 'Nothing matches this search.' : 'The ledger is empty: no request has reached the gateway yet.'}</p>
+            <p className="muted" data-testid="no-results">{search.q || search.route || search.state || search.from_ms ? 'Nothing matches this search.' : 'The ledger is empty: no request has reached the gateway yet.'}</p>
           ) : (
             <table className="grid selectable" data-testid="results">
               <thead>
