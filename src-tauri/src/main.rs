@@ -116,9 +116,30 @@ fn main() -> Result<()> {
     let state = engine.running.state.clone();
     println!("spillway desktop: engine on {}", engine.url);
     let engine = Arc::new(std::sync::Mutex::new(Some(engine)));
+    let rt_handle = rt.handle().clone();
 
+    let alerts = state.alerts.subscribe();
     let app = tauri::Builder::default()
+        .plugin(tauri_plugin_notification::init())
         .setup(move |app| {
+            // Operator alerts (a rejected channel credential today, breaker openings next)
+            // become native notifications; without a notification service they are logged.
+            let handle = app.handle().clone();
+            let mut alerts = alerts;
+            rt_handle.spawn(async move {
+                use tauri_plugin_notification::NotificationExt;
+                loop {
+                    match alerts.recv().await {
+                        Ok(a) => {
+                            if let Err(e) = handle.notification().builder().title(&a.title).body(&a.body).show() {
+                                tracing::warn!(error = %e, "could not show a desktop notification");
+                            }
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                    }
+                }
+            });
             let target = url.parse().map_err(|e| anyhow::anyhow!("bad console url: {e}"))?;
             WebviewWindowBuilder::new(app, "main", WebviewUrl::External(target))
                 .title("Spillway")

@@ -5,7 +5,7 @@ import { count, ms, pct, rate, usd } from './format'
 import { useLive } from './useLive'
 
 export function OverviewView({ conn }: { conn: Connection }) {
-  const { overview, error, connected } = useLive(conn)
+  const { overview, error, connected, alerts } = useLive(conn)
 
   const charts = useMemo(() => {
     const s = overview?.series ?? []
@@ -33,6 +33,15 @@ export function OverviewView({ conn }: { conn: Connection }) {
         {error && !connected && <span className="error">{error}</span>}
         {idle && <span className="muted">No traffic yet: point an SDK at this gateway and requests show up here.</span>}
       </div>
+      {alerts.length > 0 && (
+        <ul className="alerts" data-testid="alerts" aria-live="polite">
+          {alerts.map((a) => (
+            <li key={`${a.at_ms}-${a.title}`} className={a.severity === 'critical' ? 'error' : ''}>
+              <strong>{a.title}</strong> — {a.body} <span className="muted">{new Date(a.at_ms).toLocaleTimeString()}</span>
+            </li>
+          ))}
+        </ul>
+      )}
       <div className="tiles">
         <Tile label="Requests" value={rate(h.requests_per_s)} hint="Finished requests per second, averaged over the last 10 s" testid="tile-rps" />
         <Tile label="Error rate" value={pct(h.error_rate)} hint="Failed ÷ finished requests over the last 60 s" testid="tile-errors" />

@@ -5,6 +5,7 @@ import type { Page } from './bindings/Page'
 import type { RequestDetail } from './bindings/RequestDetail'
 import type { Search } from './bindings/Search'
 import type { Tick } from './bindings/Tick'
+import type { OperatorAlert } from './bindings/OperatorAlert'
 
 export type Connection = { url: string; token: string }
 
@@ -52,7 +53,10 @@ export function searchRequests(c: Connection, s: Search): Promise<Page> {
 export const getRequest = (c: Connection, id: string) =>
   call<RequestDetail>(c, `/admin/v1/requests/${encodeURIComponent(id)}`)
 
-export type LiveEvent = { kind: 'overview'; data: Overview } | { kind: 'tick'; data: Tick }
+export type LiveEvent =
+  | { kind: 'overview'; data: Overview }
+  | { kind: 'tick'; data: Tick }
+  | { kind: 'alert'; data: OperatorAlert }
 
 /** Reads the admin event stream until `signal` aborts; reconnects are the caller's. */
 export async function streamEvents(c: Connection, onEvent: (e: LiveEvent) => void, signal: AbortSignal) {
@@ -89,7 +93,7 @@ export async function streamEvents(c: Connection, onEvent: (e: LiveEvent) => voi
       }
       if (!data.length) continue
       const parsed = JSON.parse(data.join('\n'))
-      if (event === 'overview' || event === 'tick') onEvent({ kind: event, data: parsed } as LiveEvent)
+      if (event === 'overview' || event === 'tick' || event === 'alert') onEvent({ kind: event, data: parsed } as LiveEvent)
     }
   }
 }

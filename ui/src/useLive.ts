@@ -1,12 +1,13 @@
 import { useEffect, useState } from 'react'
 import { ApiError, streamEvents, type Connection } from './api'
 import type { Overview } from './bindings/Overview'
+import type { OperatorAlert } from './bindings/OperatorAlert'
 
-export type LiveState = { overview: Overview | null; error: string | null; connected: boolean }
+export type LiveState = { overview: Overview | null; error: string | null; connected: boolean; alerts: OperatorAlert[] }
 
 /** The overview, kept current by the admin event stream; reconnects with backoff. */
 export function useLive(conn: Connection): LiveState {
-  const [state, setState] = useState<LiveState>({ overview: null, error: null, connected: false })
+  const [state, setState] = useState<LiveState>({ overview: null, error: null, connected: false, alerts: [] })
 
   useEffect(() => {
     const abort = new AbortController()
@@ -19,12 +20,14 @@ export function useLive(conn: Connection): LiveState {
             (e) => {
               delay = 500
               setState((prev) => {
-                if (e.kind === 'overview') return { overview: e.data, error: null, connected: true }
+                if (e.kind === 'alert') return { ...prev, alerts: [e.data, ...prev.alerts].slice(0, 5) }
+                if (e.kind === 'overview') return { ...prev, overview: e.data, error: null, connected: true }
                 if (!prev.overview) return prev
                 const t = e.data
                 const series = prev.overview.series.filter((p) => p.t !== t.point.t && p.t > t.point.t - 900)
                 series.push(t.point)
                 return {
+                  ...prev,
                   connected: true,
                   error: null,
                   overview: { ...prev.overview, now_ms: t.now_ms, headline: t.headline, routes: t.routes, channels: t.channels, series },

@@ -211,14 +211,23 @@ async fn events(State(st): State<Arc<AppState>>) -> Response {
         let st = st.clone();
         async move { Event::default().event("overview").json_data(overview(&st)) }
     });
+    // Alerts go out as they happen, between ticks.
+    let alerts = futures_util::stream::unfold(st.alerts.subscribe(), |mut rx| async move {
+        loop {
+            match rx.recv().await {
+                Ok(a) => return Some((Event::default().event("alert").json_data(a), rx)),
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    });
     let ticks = futures_util::stream::unfold(st, |st| async move {
         tokio::time::sleep(TICK).await;
         let ev = Event::default().event("tick").json_data(tick(&st));
         Some((ev, st))
     });
     use futures_util::StreamExt;
-    let stream = first
-        .chain(ticks)
+    let stream = futures_util::stream::select(first.chain(ticks), alerts)
         .map(|e| Ok::<_, Infallible>(e.unwrap_or_else(|_| Event::default().comment("encode error"))));
     Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
 }

@@ -8,6 +8,20 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
 
+/// Something an operator must hear about now (E2, G4): the desktop shell turns these into
+/// native notifications, the admin stream forwards them to the console.
+#[derive(Clone, Debug, serde::Serialize, ts_rs::TS)]
+pub struct OperatorAlert {
+    /// Unix milliseconds.
+    pub at_ms: i64,
+    /// `critical` needs a person now; `warning` may resolve itself.
+    pub severity: String,
+    pub title: String,
+    pub body: String,
+    /// The channel or route it is about, when there is one.
+    pub subject: Option<String>,
+}
+
 /// A channel and its live capacity.
 pub struct ChannelRt {
     pub cfg: Channel,
@@ -25,9 +39,24 @@ pub struct AppState {
     pub metrics: crate::metrics::Metrics,
     pub admin_token: Option<crate::admin::AdminToken>,
     pub ui_dir: Option<std::path::PathBuf>,
+    /// Operator alerts, fanned out to every subscriber (desktop notifications, consoles).
+    pub alerts: tokio::sync::broadcast::Sender<OperatorAlert>,
 }
 
 impl AppState {
+    /// Raises an alert; with nobody listening it is only logged.
+    pub fn alert(&self, severity: &str, title: String, body: String, subject: Option<String>) {
+        tracing::warn!(severity, subject = subject.as_deref().unwrap_or(""), "{title}: {body}");
+        let at_ms = crate::ingress::now_ms();
+        let _ = self.alerts.send(OperatorAlert {
+            at_ms,
+            severity: severity.to_owned(),
+            title,
+            body,
+            subject,
+        });
+    }
+
     pub fn new(config: Config, ledger: Ledger) -> Result<AppState> {
         let client = reqwest::Client::builder()
             .tcp_nodelay(true)
@@ -59,6 +88,7 @@ impl AppState {
             metrics: Default::default(),
             admin_token: None,
             ui_dir: None,
+            alerts: tokio::sync::broadcast::channel(64).0,
         })
     }
 }

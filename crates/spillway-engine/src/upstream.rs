@@ -203,6 +203,28 @@ async fn fail(
     format: Format,
 ) -> Response {
     apply_signal(&mut att, &signal);
+    // E2: a channel whose credential or quota is refused needs a person, not a retry.
+    match signal.class {
+        ErrorClass::Auth => st.alert(
+            "critical",
+            format!("Channel {channel} rejected its provider credential"),
+            format!(
+                "HTTP {}: fix the key behind this channel; requests routed to it fail until then.",
+                signal.http_status.unwrap_or(0)
+            ),
+            Some(channel.to_owned()),
+        ),
+        ErrorClass::Quota => st.alert(
+            "critical",
+            format!("Channel {channel} is out of provider quota"),
+            format!(
+                "{}: raise the quota or billing limit with the provider.",
+                signal.provider_error_type.as_deref().unwrap_or("quota")
+            ),
+            Some(channel.to_owned()),
+        ),
+        _ => {}
+    }
     att.finished_at = Some(now_ms());
     let err = client_error(&signal, channel, timeout_ms);
     rec.state = RequestState::Failed;

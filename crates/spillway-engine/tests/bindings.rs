@@ -3,6 +3,7 @@
 //! is stale; `UPDATE_BINDINGS=1 cargo test -p spillway-engine --test bindings` rewrites it.
 
 use spillway_engine::admin::{AdminError, Overview, RequestDetail, Tick};
+use spillway_engine::state::OperatorAlert;
 use spillway_ledger::{Page, Search};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -31,6 +32,7 @@ fn ui_bindings_are_current() {
     Tick::export_all(&cfg).unwrap();
     RequestDetail::export_all(&cfg).unwrap();
     AdminError::export_all(&cfg).unwrap();
+    OperatorAlert::export_all(&cfg).unwrap();
     Page::export_all(&cfg).unwrap();
     Search::export_all(&cfg).unwrap();
     let fresh = files(tmp.path());

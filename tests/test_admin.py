@@ -1,0 +1,67 @@
+"""The admin API as the console uses it: token required (P2), live stream, alerts (E2)."""
+
+import json
+import time
+
+import httpx
+
+from conftest import MODELS
+
+
+def admin(gw, path, token=None, **kw):
+    return httpx.get(gw.url + path, headers={"authorization": f"Bearer {token or gw.admin_token}"}, **kw)
+
+
+def test_admin_api_needs_the_token(gateway):
+    # spec: P2
+    assert httpx.get(gateway.url + "/admin/v1/overview").status_code == 401
+    r = admin(gateway, "/admin/v1/overview", token="swa_wrong")
+    assert r.status_code == 401 and r.json()["error"] == "Wrong admin token."
+    assert gateway.admin_token not in r.text
+    r = admin(gateway, "/admin/v1/overview")
+    assert r.status_code == 200
+    assert {c["name"] for c in r.json()["channels"]} == set(gateway.channels.values())
+    assert all("sk-upstream" not in json.dumps(c) for c in r.json()["channels"]), "P3: no upstream key in the console"
+
+
+def test_search_and_detail_find_a_request(gateway):
+    r = httpx.post(gateway.url + "/v1/chat/completions", headers={"authorization": f"Bearer {gateway.key}", "x-client-request-id": "find-me"},
+                   json={"model": MODELS["openai"], "messages": [{"role": "user", "content": "hi"}]})
+    rid = r.headers["x-request-id"]
+    gateway.request_row(rid)
+    page = admin(gateway, "/admin/v1/requests", params={"q": "find-me"}).json()
+    assert [i["id"] for i in page["items"]] == [rid]
+    detail = admin(gateway, f"/admin/v1/requests/{rid}").json()
+    assert detail["request"]["channel"] == gateway.channel("openai")
+    assert detail["attempts"][0]["error_class"] == "success"
+    assert admin(gateway, "/admin/v1/requests/nope").status_code == 404
+
+
+def test_a_rejected_channel_credential_raises_an_alert(gateway):
+    # spec: E2, P3
+    ch = gateway.channel("anthropic")
+    gateway.sim.set(ch, fault={"kind": "status", "status": 401, "message": "invalid x-api-key sk-upstream-leak"})
+    try:
+        with httpx.stream("GET", gateway.url + "/admin/v1/events", headers={"authorization": f"Bearer {gateway.admin_token}"},
+                          timeout=10) as events:
+            lines = events.iter_lines()
+            assert next(lines) == "event: overview"
+            r = httpx.post(gateway.url + "/v1/messages", headers={"x-api-key": gateway.key},
+                           json={"model": MODELS["anthropic"], "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 502
+            assert "sk-upstream" not in r.text, "the provider's message (which may quote the key) stays out"
+            assert "rejected the gateway's provider credential" in r.json()["error"]["message"]
+            deadline = time.monotonic() + 8
+            alert = None
+            for line in lines:
+                if line == "event: alert":
+                    alert = json.loads(next(lines).removeprefix("data:").strip())
+                    break
+                assert time.monotonic() < deadline, "no alert within 8 s"
+            assert alert["severity"] == "critical" and alert["subject"] == ch
+            assert "rejected its provider credential" in alert["title"]
+    finally:
+        gateway.sim.set(ch)
+    row = gateway.request_row(r.headers["x-request-id"])
+    attempt = gateway.attempts(row["id"])[0]
+    assert attempt["error_class"] == "auth" and attempt["message"] is None, "P3: nothing of the provider's auth message is kept"
