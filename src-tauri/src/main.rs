@@ -19,18 +19,6 @@ fn env(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
-/// The console build: $SPILLWAY_UI_DIR, else `ui/dist` of the tree the binary was built in.
-fn ui_dir() -> Option<PathBuf> {
-    std::env::var_os("SPILLWAY_UI_DIR")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| {
-            let exe = std::env::current_exe().ok()?;
-            let dist = exe.parent()?.parent()?.parent()?.join("ui").join("dist");
-            dist.join("index.html").is_file().then_some(dist)
-        })
-}
-
 struct Engine {
     running: spillway_engine::Running,
     url: String,
@@ -62,7 +50,7 @@ async fn start_engine() -> Result<Engine> {
         Some(LedgerLocation::Sqlite(p)) => p.clone(),
         None => data_dir.join("ledger.db"),
     };
-    let token = AdminToken::load_or_create(&data_dir).context("cannot read or create the admin token")?;
+    let token = spillway_engine::admin_token()?;
     // Port 0: a desktop app must not fail because 8787 is taken by a headless gateway.
     let listen = Some(
         env("SPILLWAY_LISTEN")
@@ -73,7 +61,7 @@ async fn start_engine() -> Result<Engine> {
         ledger_path,
         listen,
         admin_token: Some(token.clone()),
-        ui_dir: ui_dir(),
+        ui_dir: spillway_engine::console_dir(None),
     };
     let running = spillway_engine::start(cfg, opts).await?;
     let url = format!("http://{}", running.addr);

@@ -99,21 +99,6 @@ async fn shutdown_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-/// The console build to serve: flag, then $SPILLWAY_UI_DIR, then `ui/dist` of the tree the
-/// binary sits in (`target/<profile>/spillway`).
-fn ui_dir(flag: Option<PathBuf>) -> Option<PathBuf> {
-    flag.or_else(|| {
-        std::env::var_os("SPILLWAY_UI_DIR")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    })
-    .or_else(|| {
-        let exe = std::env::current_exe().ok()?;
-        let dist = exe.parent()?.parent()?.parent()?.join("ui").join("dist");
-        dist.join("index.html").is_file().then_some(dist)
-    })
-}
-
 struct ServeArgs {
     config: Option<PathBuf>,
     listen: Option<SocketAddr>,
@@ -152,10 +137,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
         (None, Some(LedgerLocation::Sqlite(p))) => p.clone(),
         (None, None) => spillway_engine::data_dir()?.join("ledger.db"),
     };
-    let data_dir = spillway_engine::data_dir()?;
-    let token = spillway_engine::admin::AdminToken::load_or_create(&data_dir)
-        .with_context(|| format!("cannot read or create the admin token in {}", data_dir.display()))?;
-    let ui = ui_dir(ui_flag);
+    let token = spillway_engine::admin_token()?;
+    let ui = spillway_engine::console_dir(ui_flag);
     let opts = spillway_engine::Options {
         ledger_path: ledger_path.clone(),
         listen,
@@ -241,9 +224,7 @@ fn main() -> Result<()> {
                 .await
             }
             Command::AdminToken => {
-                let dir = spillway_engine::data_dir()?;
-                let token = spillway_engine::admin::AdminToken::load_or_create(&dir)
-                    .with_context(|| format!("cannot read or create the admin token in {}", dir.display()))?;
+                let token = spillway_engine::admin_token()?;
                 println!("{}", token.secret());
                 Ok(())
             }

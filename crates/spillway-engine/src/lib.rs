@@ -39,6 +39,8 @@ pub enum Error {
     Sim(#[from] spillway_sim::Error),
     #[error("no data directory: set SPILLWAY_DATA_DIR or HOME")]
     NoDataDir,
+    #[error("cannot read or create the admin token in {dir}: {source}")]
+    AdminToken { dir: String, source: std::io::Error },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -50,6 +52,30 @@ pub fn data_dir() -> Result<PathBuf> {
         return Ok(PathBuf::from(d));
     }
     dirs::data_dir().map(|d| d.join("spillway")).ok_or(Error::NoDataDir)
+}
+
+/// The built console to serve: `flag`, then `$SPILLWAY_UI_DIR`, then `ui/dist` of the source
+/// tree the running binary was built in (`target/<profile>/<binary>`).
+pub fn console_dir(flag: Option<PathBuf>) -> Option<PathBuf> {
+    flag.or_else(|| {
+        std::env::var_os("SPILLWAY_UI_DIR")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    })
+    .or_else(|| {
+        let exe = std::env::current_exe().ok()?;
+        let dist = exe.parent()?.parent()?.parent()?.join("ui").join("dist");
+        dist.join("index.html").is_file().then_some(dist)
+    })
+}
+
+/// The admin token in the data directory, created on first use.
+pub fn admin_token() -> Result<admin::AdminToken> {
+    let dir = data_dir()?;
+    admin::AdminToken::load_or_create(&dir).map_err(|source| Error::AdminToken {
+        dir: dir.display().to_string(),
+        source,
+    })
 }
 
 /// A gateway that is accepting connections.

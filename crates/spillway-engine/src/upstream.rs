@@ -555,8 +555,11 @@ impl Observed {
                 att.message = Some(truncate(message));
             }
         }
-        let st = self.st.clone();
-        tokio::spawn(async move { record(&st, rec, att).await });
+        // Queued synchronously, before the stream reports its end: a graceful shutdown that
+        // waits for this connection and then flushes the ledger cannot miss it.
+        self.st.metrics.finished(&rec, true, now);
+        self.st.ledger.enqueue_attempt(att);
+        self.st.ledger.enqueue_request(rec);
     }
 
     fn error_event(&self, message: &str) -> Bytes {

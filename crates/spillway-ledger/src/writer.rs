@@ -92,6 +92,30 @@ impl Ledger {
             .map_err(|_| Error::WriterStopped)
     }
 
+    /// Records `rec` with the next commit, from code that cannot wait (a stream's end runs
+    /// in `poll`/`drop`). Queued in order at once, so a flush that follows sees it; only a
+    /// full queue defers it to a task.
+    pub fn enqueue_request(&self, rec: RequestRecord) {
+        self.enqueue(Op::Request(Box::new(rec), None));
+    }
+
+    pub fn enqueue_attempt(&self, rec: AttemptRecord) {
+        self.enqueue(Op::Attempt(Box::new(rec)));
+    }
+
+    fn enqueue(&self, op: Op) {
+        match self.tx.try_send(op) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(op)) => {
+                let tx = self.tx.clone();
+                tokio::spawn(async move {
+                    let _ = tx.send(op).await;
+                });
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => tracing::error!("ledger writer stopped; a record was lost"),
+        }
+    }
+
     pub async fn put_attempt(&self, rec: AttemptRecord) -> Result<()> {
         self.tx
             .send(Op::Attempt(Box::new(rec)))
