@@ -125,7 +125,7 @@ class Gateway:
         return self.sim.stats(self.channel(fmt))["calls"]
 
 
-def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml=""):
+def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml="", args=()):
     prefix = "t" + secrets.token_hex(4)
     key = "sk-test-" + secrets.token_hex(16)
     channels = {fmt: f"{prefix}-{fmt}" for fmt in MODELS}
@@ -137,7 +137,7 @@ def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml=""):
               "owners:", "  - name: team-a", "    balance_usd: 100"]
     cfg = tmp_path / "gateway.yaml"
     cfg.write_text("\n".join(l for l in lines if l) + "\n")
-    proc = subprocess.Popen([str(BIN), "serve", "--config", str(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen([str(BIN), "serve", "--config", str(cfg), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=clean_env(SPILLWAY_TEST_KEY=key, UPSTREAM_KEY="sk-upstream-" + prefix,
                                           SPILLWAY_DATA_DIR=str(tmp_path / "data")))
     line = read_line(proc, "spillway listening on ")

@@ -65,3 +65,26 @@ def test_a_rejected_channel_credential_raises_an_alert(gateway):
     row = gateway.request_row(r.headers["x-request-id"])
     attempt = gateway.attempts(row["id"])[0]
     assert attempt["error_class"] == "auth" and attempt["message"] is None, "P3: nothing of the provider's auth message is kept"
+
+
+def test_console_is_served_under_a_strict_csp_and_the_desktop_grants_no_ipc(gateway_factory, tmp_path):
+    # spec: P5
+    ui = tmp_path / "ui"
+    ui.mkdir()
+    (ui / "index.html").write_text("<!doctype html><title>console</title>")
+    gw = gateway_factory(args=("--ui-dir", str(ui)))
+    for path in ("/", "/ledger/some/client/route"):
+        r = httpx.get(gw.url + path)
+        assert r.status_code == 200 and "<title>console</title>" in r.text
+        csp = r.headers["content-security-policy"]
+        assert "default-src 'self'" in csp and "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+        assert "unsafe-eval" not in csp and "*" not in csp.replace("http://127.0.0.1:*", "")
+    assert httpx.get(gw.url + "/../etc/passwd").status_code in (200, 404)
+    assert "root:" not in httpx.get(gw.url + "/%2e%2e/%2e%2e/etc/passwd").text
+    # The desktop window loads that same console and is granted no IPC permission at all.
+    from conftest import ROOT
+    caps = json.loads((ROOT / "src-tauri" / "capabilities" / "main.json").read_text())
+    assert caps["permissions"] == []
+    conf = json.loads((ROOT / "src-tauri" / "tauri.conf.json").read_text())
+    assert conf["app"]["withGlobalTauri"] is False
+    assert "unsafe-eval" not in conf["app"]["security"]["csp"]

@@ -22,27 +22,7 @@ struct Cli {
 enum Command {
     /// Run the gateway. Without --config: simulated providers (or real ones for any
     /// OPENAI_API_KEY / ANTHROPIC_API_KEY / GEMINI_API_KEY set) and a one-time demo key.
-    Serve {
-        /// Gateway config (YAML).
-        #[arg(long)]
-        config: Option<PathBuf>,
-        /// Address to listen on; overrides the config. Port 0 picks a free port.
-        #[arg(long)]
-        listen: Option<SocketAddr>,
-        /// Ledger file; overrides the config. Default: ledger.db in the data directory.
-        #[arg(long)]
-        ledger: Option<PathBuf>,
-        /// Send demo traffic to the simulated providers, at this many requests per second.
-        #[arg(long, num_args = 0..=1, default_missing_value = "4", value_name = "RPS")]
-        demo_traffic: Option<f64>,
-        /// The built console to serve at `/` (default: $SPILLWAY_UI_DIR, else ui/dist beside
-        /// the source tree the binary was built in).
-        #[arg(long)]
-        ui_dir: Option<PathBuf>,
-        /// Print a console link carrying the admin token on stdout (for `make run`).
-        #[arg(long)]
-        show_admin_token: bool,
-    },
+    Serve(ServeArgs),
     /// Print the admin token the console needs (created on first use, mode 0600).
     AdminToken,
     /// Validate a config file without serving.
@@ -99,12 +79,26 @@ async fn shutdown_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
+#[derive(clap::Args)]
 struct ServeArgs {
+    /// Gateway config (YAML).
+    #[arg(long)]
     config: Option<PathBuf>,
+    /// Address to listen on; overrides the config. Port 0 picks a free port.
+    #[arg(long)]
     listen: Option<SocketAddr>,
+    /// Ledger file; overrides the config. Default: ledger.db in the data directory.
+    #[arg(long)]
     ledger: Option<PathBuf>,
+    /// Send demo traffic to the simulated providers, at this many requests per second.
+    #[arg(long, num_args = 0..=1, default_missing_value = "4", value_name = "RPS")]
     demo_traffic: Option<f64>,
+    /// The built console to serve at `/` (default: $SPILLWAY_UI_DIR, else ui/dist beside
+    /// the source tree the binary was built in).
+    #[arg(long)]
     ui_dir: Option<PathBuf>,
+    /// Print a console link carrying the admin token on stdout (for `make run`).
+    #[arg(long)]
     show_admin_token: bool,
 }
 
@@ -205,24 +199,7 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async {
         match cli.command {
-            Command::Serve {
-                config,
-                listen,
-                ledger,
-                demo_traffic,
-                ui_dir,
-                show_admin_token,
-            } => {
-                serve(ServeArgs {
-                    config,
-                    listen,
-                    ledger,
-                    demo_traffic,
-                    ui_dir,
-                    show_admin_token,
-                })
-                .await
-            }
+            Command::Serve(args) => serve(args).await,
             Command::AdminToken => {
                 let token = spillway_engine::admin_token()?;
                 println!("{}", token.secret());
