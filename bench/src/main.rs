@@ -116,68 +116,55 @@ async fn ledger_search(rows: u64) -> Result<Vec<SearchTiming>> {
             })
         }
     };
-    out.push(time("newest page (50)", Search::default()).await?);
-    out.push(
-        time(
+    let queries: Vec<(&'static str, Search)> = vec![
+        ("newest page (50)", Search::default()),
+        (
             "page deep in history (cursor)",
             Search {
                 before: Some(id(rows / 2)),
                 ..Search::default()
             },
-        )
-        .await?,
-    );
-    out.push(
-        time(
+        ),
+        (
             "by request id",
             Search {
                 q: Some(id(last / 3)),
                 ..Search::default()
             },
-        )
-        .await?,
-    );
-    out.push(
-        time(
+        ),
+        (
             "by trace id",
             Search {
                 q: Some(id(last / 4).replace('-', "")),
                 ..Search::default()
             },
-        )
-        .await?,
-    );
-    out.push(
-        time(
+        ),
+        (
             "by client request id",
             Search {
                 q: Some(format!("client-{}", (last / 200) * 100 + 7)),
                 ..Search::default()
             },
-        )
-        .await?,
-    );
-    out.push(
-        time(
+        ),
+        (
             "route + state filter",
             Search {
                 route: Some(routes[1].into()),
                 state: Some(RequestState::Failed),
                 ..Search::default()
             },
-        )
-        .await?,
-    );
-    out.push(
-        time(
+        ),
+        (
             "last 15 minutes",
             Search {
                 from_ms: Some((t0 + last * 10) as i64 - 900_000),
                 ..Search::default()
             },
-        )
-        .await?,
-    );
+        ),
+    ];
+    for (query, s) in queries {
+        out.push(time(query, s).await?);
+    }
     Ok(out)
 }
 
