@@ -367,6 +367,91 @@ pub fn classify_response(
     }
 }
 
+/// What a channel's rate-limit headers say is left (E3). Read from every answer, success
+/// or not; each field is absent when the provider did not send it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RateLimitState {
+    pub remaining_requests: Option<u64>,
+    /// Milliseconds until the request window resets.
+    pub reset_requests_ms: Option<u64>,
+    pub remaining_tokens: Option<u64>,
+    /// Milliseconds until the token window resets.
+    pub reset_tokens_ms: Option<u64>,
+}
+
+impl RateLimitState {
+    pub fn is_empty(&self) -> bool {
+        *self == RateLimitState::default()
+    }
+}
+
+/// Reads OpenAI's `x-ratelimit-{remaining,reset}-{requests,tokens}` (Go durations) or
+/// Anthropic's `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{remaining,reset}`
+/// (RFC 3339). Gemini sends none. For Anthropic the tightest token dimension counts: the
+/// request needs room in all of them.
+pub fn rate_limit_state(format: Format, header: &dyn Fn(&str) -> Option<String>, now: SystemTime) -> RateLimitState {
+    match format {
+        Format::OpenAi => RateLimitState {
+            remaining_requests: header_num(header, "x-ratelimit-remaining-requests"),
+            reset_requests_ms: header("x-ratelimit-reset-requests").and_then(|v| parse_go_duration(&v)),
+            remaining_tokens: header_num(header, "x-ratelimit-remaining-tokens"),
+            reset_tokens_ms: header("x-ratelimit-reset-tokens").and_then(|v| parse_go_duration(&v)),
+        },
+        Format::Anthropic => {
+            let reset = |name: &str| header(name).and_then(|v| reset_in_ms(format, &v, now));
+            let mut tokens: Option<(u64, Option<u64>)> = None;
+            for dim in ["tokens", "input-tokens", "output-tokens"] {
+                if let Some(rem) = header_num(header, &format!("anthropic-ratelimit-{dim}-remaining"))
+                    && tokens.is_none_or(|(r, _)| rem < r)
+                {
+                    tokens = Some((rem, reset(&format!("anthropic-ratelimit-{dim}-reset"))));
+                }
+            }
+            RateLimitState {
+                remaining_requests: header_num(header, "anthropic-ratelimit-requests-remaining"),
+                reset_requests_ms: reset("anthropic-ratelimit-requests-reset"),
+                remaining_tokens: tokens.map(|t| t.0),
+                reset_tokens_ms: tokens.and_then(|t| t.1),
+            }
+        }
+        Format::Gemini => RateLimitState::default(),
+    }
+}
+
+/// Classifies an error the provider sent inside a stream (Anthropic `event: error`, an
+/// OpenAI or Gemini data line with an `error` object) by its type, as if it had come as
+/// the HTTP status that type stands for.
+pub fn classify_stream_error(format: Format, error: &Value) -> Signal {
+    let ty = match format {
+        Format::OpenAi => error
+            .get("code")
+            .and_then(Value::as_str)
+            .or_else(|| error.get("type").and_then(Value::as_str)),
+        Format::Anthropic => error.get("type").and_then(Value::as_str),
+        Format::Gemini => error.get("status").and_then(Value::as_str),
+    };
+    let class = match ty {
+        Some("overloaded_error") | Some("UNAVAILABLE") => ErrorClass::Overload,
+        Some("rate_limit_error") | Some("rate_limit_exceeded") => ErrorClass::RateLimit,
+        Some("insufficient_quota") | Some("billing_error") => ErrorClass::Quota,
+        Some("api_error") | Some("server_error") | Some("INTERNAL") => ErrorClass::ServerError,
+        Some("RESOURCE_EXHAUSTED") => ErrorClass::RateLimit,
+        Some("DEADLINE_EXCEEDED") | Some("timeout") => ErrorClass::Timeout,
+        Some("invalid_request_error") | Some("INVALID_ARGUMENT") => ErrorClass::InvalidRequest,
+        Some("authentication_error") | Some("permission_error") | Some("UNAUTHENTICATED") => ErrorClass::Auth,
+        _ => ErrorClass::Unknown,
+    };
+    Signal {
+        class,
+        http_status: None,
+        provider_error_type: ty.map(str::to_owned),
+        message: error.get("message").and_then(Value::as_str).map(str::to_owned),
+        retry_after_ms: None,
+        limit_dimension: None,
+        visibility: Visibility::BeforeFirstToken,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -542,6 +627,125 @@ mod tests {
                 ] {
                     let _ = classify_response(f, status, &h, body.as_bytes(), now());
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn e3_rate_limit_state_per_provider() {
+        // spec: E3
+        let h = headers(&[
+            ("x-ratelimit-remaining-requests", "59"),
+            ("x-ratelimit-reset-requests", "1s"),
+            ("x-ratelimit-remaining-tokens", "1200"),
+            ("x-ratelimit-reset-tokens", "6m0s"),
+        ]);
+        assert_eq!(
+            rate_limit_state(Format::OpenAi, &h, now()),
+            RateLimitState {
+                remaining_requests: Some(59),
+                reset_requests_ms: Some(1000),
+                remaining_tokens: Some(1200),
+                reset_tokens_ms: Some(360_000),
+            }
+        );
+        let h = headers(&[
+            ("anthropic-ratelimit-requests-remaining", "4"),
+            ("anthropic-ratelimit-requests-reset", "2026-05-28T20:26:50Z"),
+            ("anthropic-ratelimit-tokens-remaining", "900"),
+            ("anthropic-ratelimit-tokens-reset", "2026-05-28T20:27:40Z"),
+            ("anthropic-ratelimit-output-tokens-remaining", "300"),
+            ("anthropic-ratelimit-output-tokens-reset", "2026-05-28T20:27:10Z"),
+        ]);
+        let s = rate_limit_state(Format::Anthropic, &h, now());
+        assert_eq!(s.remaining_requests, Some(4));
+        assert_eq!(s.reset_requests_ms, Some(10_000));
+        assert_eq!(
+            (s.remaining_tokens, s.reset_tokens_ms),
+            (Some(300), Some(30_000)),
+            "tightest dimension"
+        );
+        assert!(rate_limit_state(Format::Gemini, &h, now()).is_empty());
+        assert!(rate_limit_state(Format::OpenAi, &headers(&[]), now()).is_empty());
+    }
+
+    #[test]
+    fn e2_in_stream_errors_by_type() {
+        // spec: E2, H2
+        let c = |f, v: &str| classify_stream_error(f, &serde_json::from_str(v).unwrap()).class;
+        assert_eq!(
+            c(
+                Format::Anthropic,
+                r#"{"type":"overloaded_error","message":"Overloaded"}"#
+            ),
+            ErrorClass::Overload
+        );
+        assert_eq!(c(Format::Anthropic, r#"{"type":"api_error"}"#), ErrorClass::ServerError);
+        assert_eq!(
+            c(Format::OpenAi, r#"{"code":"rate_limit_exceeded"}"#),
+            ErrorClass::RateLimit
+        );
+        assert_eq!(c(Format::OpenAi, r#"{"type":"server_error"}"#), ErrorClass::ServerError);
+        assert_eq!(c(Format::Gemini, r#"{"status":"UNAVAILABLE"}"#), ErrorClass::Overload);
+        assert_eq!(c(Format::Gemini, r#"{"status":"SOMETHING_NEW"}"#), ErrorClass::Unknown);
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+
+            // E1: no status, header value or body may panic the classifier, and what comes
+            // out is internally consistent.
+            #[test]
+            fn classify_never_panics(
+                fi in 0usize..3,
+                status in any::<u16>(),
+                retry_after in proptest::option::of(".{0,40}"),
+                remaining in proptest::option::of("[0-9a-z]{0,25}"),
+                reset in proptest::option::of(".{0,30}"),
+                body in proptest::collection::vec(any::<u8>(), 0..300),
+            ) {
+                let f = Format::ALL[fi];
+                let h = move |n: &str| match n {
+                    "retry-after" => retry_after.clone(),
+                    n if n.contains("remaining") => remaining.clone(),
+                    n if n.contains("reset") => reset.clone(),
+                    _ => None,
+                };
+                let s = classify_response(f, status, &h, &body, now());
+                prop_assert_eq!(s.http_status, Some(status));
+                if (200..300).contains(&status) {
+                    prop_assert!(matches!(s.class, ErrorClass::Success | ErrorClass::MalformedResponse));
+                }
+                let _ = rate_limit_state(f, &h, now());
+            }
+
+            #[test]
+            fn error_shaped_bodies_never_panic(
+                fi in 0usize..3,
+                status in 400u16..600,
+                ty in "[a-zA-Z_]{0,24}",
+                quota in "[A-Za-z-]{0,40}",
+                delay in "[0-9a-z.]{0,8}",
+            ) {
+                let f = Format::ALL[fi];
+                let body = serde_json::json!({"type": "error", "error": {"type": ty, "code": ty, "status": ty,
+                    "message": "m", "details": [
+                        {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": [{"quotaId": quota}]},
+                        {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": delay}]}});
+                let s = classify_response(f, status, &|_| None, body.to_string().as_bytes(), now());
+                prop_assert!(s.class != ErrorClass::Success);
+                let _ = classify_stream_error(f, &body["error"]);
+            }
+
+            #[test]
+            fn retry_after_never_panics(v in ".{0,64}") {
+                let _ = parse_retry_after(&v, now());
+                let _ = parse_go_duration(&v);
+                let _ = parse_rfc3339(&v);
             }
         }
     }
