@@ -11,7 +11,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use rand::Rng;
 use serde::Serialize;
 use spillway_ledger::{AttemptRecord, RequestRecord, Search};
@@ -91,8 +91,9 @@ pub struct ChannelView {
     pub models: Vec<String>,
     pub in_flight: u32,
     pub max_concurrency: u32,
-    /// `ok` for now; breakers and wait hints arrive with failover.
-    pub state: String,
+    /// Rotation: `ready`, `paced` (a provider's wait hint, D6) or `ejected` (credential or
+    /// quota refused, E2), with the reason, time left and E3's reported room.
+    pub health: crate::health::HealthView,
 }
 
 /// Everything the overview shows, at connect time.
@@ -141,12 +142,9 @@ fn channels(st: &AppState) -> Vec<ChannelView> {
             base_url: c.cfg.base_url.clone(),
             has_credential: c.cfg.api_key.is_some(),
             models: c.cfg.models.clone(),
-            in_flight: c
-                .cfg
-                .max_concurrency
-                .saturating_sub(c.permits.available_permits() as u32),
+            in_flight: c.in_flight(),
             max_concurrency: c.cfg.max_concurrency,
-            state: "ok".into(),
+            health: c.health.view(tokio::time::Instant::now()),
         })
         .collect()
 }
@@ -250,8 +248,20 @@ async fn detail(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Resp
     }
 }
 
+/// E2: an operator puts an ejected or paced channel back into rotation.
+async fn restore_channel(State(st): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
+    let Some(c) = st.channels.iter().find(|c| c.cfg.name == name) else {
+        return admin_error(StatusCode::NOT_FOUND, format!("No channel named `{name}`."));
+    };
+    if c.health.restore() {
+        tracing::warn!(channel = %name, "channel restored to rotation by an operator");
+    }
+    axum::Json(channels(&st).into_iter().find(|v| v.name == name)).into_response()
+}
+
 pub fn router(st: Arc<AppState>) -> Router<Arc<AppState>> {
     Router::new()
+        .route("/admin/v1/channels/{name}/restore", post(restore_channel))
         .route("/admin/v1/overview", get(get_overview))
         .route("/admin/v1/events", get(events))
         .route("/admin/v1/requests", get(search))

@@ -124,6 +124,9 @@ pub async fn build(env: &dyn Fn(&str) -> Option<String>) -> Result<Embedded> {
         ledger: None,
         max_body_bytes: DEFAULT_MAX_BODY_BYTES,
         attempt_timeout_ms: DEFAULT_ATTEMPT_TIMEOUT_MS,
+        max_attempts: spillway_policy::DEFAULT_MAX_ATTEMPTS,
+        total_deadline_ms: spillway_policy::DEFAULT_TOTAL_DEADLINE_MS,
+        capacity_wait_ms: spillway_policy::MAX_CAPACITY_WAIT_MS,
         channels,
         keys: vec![Key {
             name: "demo".into(),

@@ -23,18 +23,27 @@ pub enum GatewayError {
     NoChannel { model: String, format: Format },
     #[error("All upstream capacity for this model is busy. Retry shortly.")]
     CapacityBusy { retry_after_s: u64 },
+    /// B2.
+    #[error("This API key has reached its rate or concurrency limit.")]
+    KeyLimited { retry_after_s: u64 },
+    /// E2: every channel of the group is out of rotation until an operator restores it.
+    #[error("No channel serving model `{model}` is in rotation ({detail}). An operator must restore a channel.")]
+    NoChannelInRotation { model: String, detail: String },
     #[error("The request ledger is unavailable, so the request was not sent upstream.")]
     LedgerUnavailable,
     #[error("No such endpoint: {method} {path}")]
     NotFound { method: String, path: String },
     #[error("Method {method} is not allowed on {path}")]
     MethodNotAllowed { method: String, path: String },
-    /// The upstream failed; `kind` is what the client should see.
+    /// The upstream failed; `kind` is what the client should see. `futile` says that a
+    /// client retry cannot help either (an unknown signal held for a person, E2), so the
+    /// answer carries `x-should-retry: false` even though its status is retryable.
     #[error("{message}")]
     Upstream {
         kind: ErrorKind,
         message: String,
         retry_after_ms: Option<u64>,
+        futile: bool,
     },
 }
 
@@ -46,7 +55,8 @@ impl GatewayError {
             GatewayError::InvalidRequest(_) | GatewayError::BodyRead(_) => ErrorKind::InvalidRequest,
             GatewayError::NoChannel { .. } | GatewayError::NotFound { .. } => ErrorKind::NotFound,
             GatewayError::MethodNotAllowed { .. } => ErrorKind::MethodNotAllowed,
-            GatewayError::CapacityBusy { .. } => ErrorKind::RateLimited,
+            GatewayError::CapacityBusy { .. } | GatewayError::KeyLimited { .. } => ErrorKind::RateLimited,
+            GatewayError::NoChannelInRotation { .. } => ErrorKind::Upstream,
             GatewayError::LedgerUnavailable => ErrorKind::Unavailable,
             GatewayError::Upstream { kind, .. } => *kind,
         }
@@ -61,6 +71,8 @@ impl GatewayError {
             GatewayError::NoChannel { .. } => "no_channel",
             GatewayError::NotFound { .. } | GatewayError::MethodNotAllowed { .. } => "not_found",
             GatewayError::CapacityBusy { .. } => "capacity_busy",
+            GatewayError::KeyLimited { .. } => "key_limited",
+            GatewayError::NoChannelInRotation { .. } => "no_channel_in_rotation",
             GatewayError::LedgerUnavailable => "ledger_unavailable",
             GatewayError::Upstream { .. } => "upstream",
         }
@@ -77,7 +89,9 @@ impl GatewayError {
     /// Seconds the client should wait, for 429/502/503 (A8, D7).
     fn retry_after_s(&self) -> Option<u64> {
         match self {
-            GatewayError::CapacityBusy { retry_after_s } => Some(*retry_after_s),
+            GatewayError::CapacityBusy { retry_after_s } | GatewayError::KeyLimited { retry_after_s } => {
+                Some(*retry_after_s)
+            }
             GatewayError::Upstream {
                 retry_after_ms, kind, ..
             } if kind.retryable() => Some(retry_after_ms.map(|ms| ms.div_ceil(1000)).unwrap_or(1).max(1)),
@@ -94,7 +108,11 @@ impl GatewayError {
         *resp.status_mut() = StatusCode::from_u16(kind.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let h = resp.headers_mut();
         h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        if !kind.retryable() {
+        let futile = matches!(
+            self,
+            GatewayError::Upstream { futile: true, .. } | GatewayError::NoChannelInRotation { .. }
+        );
+        if !kind.retryable() || futile {
             h.insert("x-should-retry", HeaderValue::from_static("false"));
         }
         if let Some(s) = self.retry_after_s() {
@@ -123,6 +141,7 @@ mod tests {
             kind: ErrorKind::Upstream,
             message: "x".into(),
             retry_after_ms: Some(2500),
+            futile: false,
         }
         .into_response(Format::Gemini);
         assert_eq!(r.status(), 502);
@@ -131,8 +150,20 @@ mod tests {
             kind: ErrorKind::Upstream,
             message: "x".into(),
             retry_after_ms: None,
+            futile: false,
         }
         .into_response(Format::Gemini);
         assert_eq!(r.headers()[header::RETRY_AFTER], "1");
+        assert!(r.headers().get("x-should-retry").is_none());
+        let r = GatewayError::NoChannelInRotation {
+            model: "m".into(),
+            detail: "`a`: credential rejected".into(),
+        }
+        .into_response(Format::OpenAi);
+        assert_eq!(r.status(), 502);
+        assert_eq!(r.headers()["x-should-retry"], "false");
+        let r = GatewayError::KeyLimited { retry_after_s: 30 }.into_response(Format::Anthropic);
+        assert_eq!(r.status(), 429);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "30");
     }
 }

@@ -2,10 +2,11 @@
 //! checks (A5), and the request record that follows the request to the ledger.
 
 use crate::error::GatewayError;
+use crate::failover::{self, Job};
+use crate::limits::KEY_WAIT;
 use crate::routing;
 use crate::state::AppState;
 use crate::trace::{TraceContext, request_id};
-use crate::upstream;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
@@ -18,10 +19,9 @@ use http_body_util::{BodyExt, Limited};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use spillway_ledger::{RequestRecord, RequestState};
-use spillway_policy::Key;
 use spillway_wire::{ErrorKind, Format, parse_request};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The gateway's id for this request, set by [`request_id_layer`] before any handler runs.
 #[derive(Clone, Debug)]
@@ -148,7 +148,12 @@ fn presented_key<'a>(format: Format, headers: &'a HeaderMap, uri: &'a Uri) -> Op
     }
 }
 
-fn authenticate(st: &AppState, format: Format, headers: &HeaderMap, uri: &Uri) -> Result<Arc<Key>, GatewayError> {
+fn authenticate(
+    st: &AppState,
+    format: Format,
+    headers: &HeaderMap,
+    uri: &Uri,
+) -> Result<Arc<crate::state::KeyRt>, GatewayError> {
     let Some(presented) = presented_key(format, headers, uri) else {
         return Err(GatewayError::MissingKey(match format {
             Format::OpenAi => "`Authorization: Bearer <key>`",
@@ -228,8 +233,8 @@ async fn handle(
         Ok(k) => k,
         Err(e) => return reject(&st, rec, format, e).await,
     };
-    rec.key_name = Some(key.name.clone());
-    rec.owner = Some(key.owner.clone());
+    rec.key_name = Some(key.key.name.clone());
+    rec.owner = Some(key.key.owner.clone());
 
     let bytes = match read_body(body, st.config.max_body_bytes, &parts.headers).await {
         Ok(b) => b,
@@ -253,21 +258,56 @@ async fn handle(
         };
         return reject(&st, rec, format, e).await;
     }
+
+    // From here the request may wait (key room, capacity); a client that hangs up while
+    // it waits leaves the queue with nothing sent upstream (C4), and the ledger says so.
+    let mut abandon = Abandoned(Some((st.clone(), rec.clone())));
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(st.config.total_deadline_ms);
+    let key_slot = match key.limits.acquire(KEY_WAIT).await {
+        Ok(slot) => slot,
+        Err(over) => {
+            abandon.disarm();
+            let e = GatewayError::KeyLimited {
+                retry_after_s: over.retry_after_s,
+            };
+            return reject(&st, rec, format, e).await;
+        }
+    };
+    let tokens = parsed.estimated_input_tokens + parsed.max_output_tokens.unwrap_or(0);
+    let capacity_wait = Duration::from_millis(st.config.capacity_wait_ms)
+        .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
     let on_wait = || {
         st.metrics.queued(&rec, 1);
         let (st, rec) = (st.clone(), rec.clone());
         routing::WaitGuard(Some(Box::new(move || st.metrics.queued(&rec, -1))))
     };
-    let admitted = match routing::admit(&candidates, on_wait).await {
+    let admitted = match routing::admit(&candidates, &parsed.model, tokens, &[], capacity_wait, on_wait).await {
         Ok(a) => a,
-        Err(e) => return reject(&st, rec, format, e).await,
+        Err(e) => {
+            abandon.disarm();
+            return reject(&st, rec, format, e).await;
+        }
+    };
+    abandon.disarm();
+    let job = Job {
+        st: st.clone(),
+        format,
+        parts,
+        body: bytes,
+        capacity_wait_left: capacity_wait.saturating_sub(admitted.waited.unwrap_or_default()),
+        parsed,
+        trace,
+        candidates,
+        tokens,
+        deadline,
+        key_slot: Some(key_slot),
     };
 
-    // The attempt runs in its own task so that a client hanging up mid-call cannot cut
+    // The attempts run in their own task so that a client hanging up mid-call cannot cut
     // the request short halfway: the provider's answer is still read, metered and
     // recorded. (A stream's end is recorded by the stream itself, however it ends.)
     let request_id = rec.id.clone();
-    match tokio::spawn(upstream::run(st, rec, admitted, format, parts, bytes, parsed, trace)).await {
+    match tokio::spawn(failover::run(job, rec, admitted)).await {
         Ok(resp) => resp,
         Err(e) => {
             tracing::error!(error = %e, request_id, "upstream task failed");
@@ -275,8 +315,34 @@ async fn handle(
                 kind: ErrorKind::Upstream,
                 message: "The gateway failed while calling the provider.".into(),
                 retry_after_ms: None,
+                futile: false,
             }
             .into_response(format)
+        }
+    }
+}
+
+/// A request still waiting at ingress. Dropped armed — the client went away — it records
+/// the request as failed with nothing sent upstream (C4).
+struct Abandoned(Option<(Arc<AppState>, RequestRecord)>);
+
+impl Abandoned {
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Abandoned {
+    fn drop(&mut self) {
+        if let Some((st, mut rec)) = self.0.take() {
+            let now = now_ms();
+            rec.state = RequestState::Failed;
+            rec.error_class = Some("client_disconnected".into());
+            rec.error_message =
+                Some("The client disconnected while the request waited for room; nothing was sent upstream.".into());
+            rec.finished_at = Some(now);
+            st.metrics.finished(&rec, false, now);
+            st.ledger.enqueue_request(rec);
         }
     }
 }

@@ -9,8 +9,12 @@
 pub mod admin;
 pub mod embedded;
 pub mod error;
+pub mod failover;
+pub mod health;
 pub mod ingress;
+pub mod limits;
 pub mod metrics;
+pub mod retry;
 pub mod routing;
 pub mod state;
 pub mod trace;

@@ -101,6 +101,12 @@ pub struct RouteFigures {
     pub failed: u64,
     /// Upstream attempts; attempts ÷ requests is the retry amplification.
     pub attempts: u64,
+    /// Failed attempts by E2 class (`rate_limit`, `overload`, `server_error`, …).
+    pub errors_by_class: BTreeMap<String, u64>,
+    /// Requests that waited for capacity or a paced channel, and how long (C2).
+    pub waited: u64,
+    pub wait_ms_total: u64,
+    pub wait_ms_max: u64,
     /// Sum of known costs; `cost_unknown` counts requests whose cost is not known.
     pub cost_usd: f64,
     pub cost_unknown: u64,
@@ -152,13 +158,7 @@ impl Metrics {
             let s = Self::second(inner, t);
             s.in_flight_max = s.in_flight_max.max(now);
             if let Some(k) = route_key(rec) {
-                let r = inner.routes.entry(k.clone()).or_insert_with(|| RouteFigures {
-                    provider: k.0,
-                    model: k.1,
-                    owner: k.2,
-                    ..RouteFigures::default()
-                });
-                r.in_flight += 1;
+                Self::route(inner, k).in_flight += 1;
             }
         });
     }
@@ -166,16 +166,39 @@ impl Metrics {
     /// A request is waiting for capacity (`+1`) or stopped waiting (`-1`).
     pub fn queued(&self, rec: &RequestRecord, delta: i64) {
         if let Some(k) = route_key(rec) {
+            self.with(|inner| Self::route(inner, k).queued += delta);
+        }
+    }
+
+    /// An attempt failed with `class` (retried or not).
+    pub fn attempt_failed(&self, rec: &RequestRecord, class: spillway_wire::ErrorClass) {
+        if let Some(k) = route_key(rec) {
             self.with(|inner| {
-                let r = inner.routes.entry(k.clone()).or_insert_with(|| RouteFigures {
-                    provider: k.0,
-                    model: k.1,
-                    owner: k.2,
-                    ..RouteFigures::default()
-                });
-                r.queued += delta;
+                let r = Self::route(inner, k);
+                *r.errors_by_class.entry(class.as_str().to_owned()).or_default() += 1;
             });
         }
+    }
+
+    /// A request waited `ms` for capacity before an attempt.
+    pub fn waited(&self, rec: &RequestRecord, ms: u64) {
+        if let Some(k) = route_key(rec) {
+            self.with(|inner| {
+                let r = Self::route(inner, k);
+                r.waited += 1;
+                r.wait_ms_total += ms;
+                r.wait_ms_max = r.wait_ms_max.max(ms);
+            });
+        }
+    }
+
+    fn route(inner: &mut Inner, k: (String, String, String)) -> &mut RouteFigures {
+        inner.routes.entry(k.clone()).or_insert_with(|| RouteFigures {
+            provider: k.0,
+            model: k.1,
+            owner: k.2,
+            ..RouteFigures::default()
+        })
     }
 
     /// A request ended. `admitted` says whether [`Metrics::started`] saw it.

@@ -1,17 +1,18 @@
-//! Choosing a channel (A4) and taking a slot of its capacity (C1, C2).
+//! Choosing a channel (A4) and taking a slot of its capacity (C1, C2), among the channels
+//! that are in rotation and have room for the request (D6, E2, E3).
 
 use crate::error::GatewayError;
+use crate::health::Unavailable;
 use crate::state::{AppState, ChannelRt};
 use rand::Rng;
 use spillway_wire::Format;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
 
-/// C2: the longest a request waits for capacity.
-pub const MAX_CAPACITY_WAIT: Duration = Duration::from_secs(10);
-
-/// Channels that speak `format` and serve `model`, in a weighted random order (A4).
+/// Channels that speak `format` and serve `model`, in a weighted random order (A4, D1:
+/// together they are the request's channel group).
 pub fn candidates(state: &AppState, format: Format, model: &str) -> Vec<Arc<ChannelRt>> {
     let mut rng = rand::rng();
     let mut c: Vec<(f64, &Arc<ChannelRt>)> = state
@@ -41,40 +42,133 @@ impl Drop for WaitGuard {
 pub struct Admitted {
     pub channel: Arc<ChannelRt>,
     pub permit: OwnedSemaphorePermit,
-    /// Set when the request waited for capacity.
-    pub queued_ms: Option<u64>,
+    /// Time spent waiting for capacity or for a paced channel, when there was a wait.
+    pub waited: Option<Duration>,
 }
 
-/// Takes a free slot on the first candidate that has one; if all are full, waits (at most
-/// [`MAX_CAPACITY_WAIT`]) for whichever candidate frees first.
-pub async fn admit(
-    candidates: &[Arc<ChannelRt>],
-    on_wait: impl FnOnce() -> WaitGuard,
-) -> Result<Admitted, GatewayError> {
+/// Where the group stands for a request right now.
+pub struct Survey {
+    /// In rotation with room for the request: untried channels first, each part in the
+    /// group's weighted order.
+    pub ready: Vec<Arc<ChannelRt>>,
+    /// Whether any ready channel has not been tried by this request.
+    pub untried_ready: bool,
+    /// The soonest a paced channel (or a quota with a named reset) takes work again.
+    pub soonest: Option<Duration>,
+    /// Channels out until an operator restores them, with the reason.
+    pub ejected: Vec<(String, String)>,
+}
+
+pub fn survey(candidates: &[Arc<ChannelRt>], tokens: u64, tried: &[String], now: Instant) -> Survey {
+    let mut untried = Vec::new();
+    let mut again = Vec::new();
+    let mut soonest: Option<Duration> = None;
+    let mut ejected = Vec::new();
     for c in candidates {
-        if let Ok(permit) = c.permits.clone().try_acquire_owned() {
-            return Ok(Admitted {
-                channel: c.clone(),
-                permit,
-                queued_ms: None,
-            });
+        match c.health.check(tokens, now) {
+            Ok(()) if tried.contains(&c.cfg.name) => again.push(c.clone()),
+            Ok(()) => untried.push(c.clone()),
+            Err(Unavailable::For(d, _)) | Err(Unavailable::Ejected(_, Some(d), _)) => {
+                soonest = Some(soonest.map_or(d, |s| s.min(d)));
+            }
+            Err(Unavailable::Ejected(_, None, reason)) => ejected.push((c.cfg.name.clone(), reason)),
         }
     }
-    if candidates.is_empty() {
-        return Err(GatewayError::CapacityBusy { retry_after_s: 1 });
+    let untried_ready = !untried.is_empty();
+    untried.extend(again);
+    Survey {
+        ready: untried,
+        untried_ready,
+        soonest,
+        ejected,
     }
-    let _waiting = on_wait();
+}
+
+/// Why no slot was taken.
+fn none_left(model: &str, s: &Survey) -> GatewayError {
+    GatewayError::NoChannelInRotation {
+        model: model.to_owned(),
+        detail: s
+            .ejected
+            .iter()
+            .map(|(n, r)| format!("`{n}`: {r}"))
+            .collect::<Vec<_>>()
+            .join("; "),
+    }
+}
+
+/// Takes a free slot on the first ready channel that has one (untried channels first).
+/// When every ready channel is full, or every channel is paced, waits — at most
+/// `max_wait` in all — for whichever frees first (C1, C2, D6). Dropping the future leaves
+/// the queue (C4).
+pub async fn admit(
+    candidates: &[Arc<ChannelRt>],
+    model: &str,
+    tokens: u64,
+    tried: &[String],
+    max_wait: Duration,
+    on_wait: impl FnOnce() -> WaitGuard,
+) -> Result<Admitted, GatewayError> {
     let started = Instant::now();
-    let waits = candidates.iter().map(|c| {
-        let c = c.clone();
-        Box::pin(async move { c.permits.clone().acquire_owned().await.map(|p| (c, p)) })
-    });
-    match tokio::time::timeout(MAX_CAPACITY_WAIT, futures_util::future::select_ok(waits)).await {
-        Ok(Ok(((channel, permit), _))) => Ok(Admitted {
-            channel,
-            permit,
-            queued_ms: Some(started.elapsed().as_millis() as u64),
-        }),
-        _ => Err(GatewayError::CapacityBusy { retry_after_s: 1 }),
+    let deadline = started + max_wait;
+    let mut on_wait = Some(on_wait);
+    let mut _waiting: Option<WaitGuard> = None;
+    // Each round either admits, fails, or sleeps until something changes; a handful of
+    // rounds covers other requests taking a freed slot first.
+    for _ in 0..32 {
+        let now = Instant::now();
+        let s = survey(candidates, tokens, tried, now);
+        for c in &s.ready {
+            if let Ok(permit) = c.permits.clone().try_acquire_owned() {
+                c.health.reserve(tokens);
+                return Ok(Admitted {
+                    channel: c.clone(),
+                    permit,
+                    waited: _waiting.is_some().then(|| started.elapsed()),
+                });
+            }
+        }
+        if s.ready.is_empty() && s.soonest.is_none() {
+            return Err(none_left(model, &s));
+        }
+        let left = deadline.saturating_duration_since(now);
+        // Nothing frees within the wait: say when something will, if anyone knows.
+        if (s.ready.is_empty() && s.soonest.is_some_and(|d| d > left)) || left.is_zero() {
+            // Full slots free as calls end (a second is an honest guess); a pace ends when
+            // its provider said.
+            let retry_after = match (s.ready.is_empty(), s.soonest) {
+                (true, Some(d)) => d,
+                _ => Duration::from_secs(1),
+            };
+            return Err(GatewayError::CapacityBusy {
+                retry_after_s: retry_after.as_millis().div_ceil(1000).max(1) as u64,
+            });
+        }
+        if _waiting.is_none() {
+            _waiting = on_wait.take().map(|f| f());
+        }
+        let wake = now + s.soonest.map_or(left, |d| d.min(left));
+        let waits = s.ready.iter().map(|c| {
+            let c = c.clone();
+            Box::pin(async move { c.permits.clone().acquire_owned().await.map(|p| (c, p)) })
+        });
+        if s.ready.is_empty() {
+            tokio::time::sleep_until(wake).await;
+            continue;
+        }
+        if let Ok(Ok(((channel, permit), _))) =
+            tokio::time::timeout_at(wake, futures_util::future::select_ok(waits)).await
+        {
+            // The slot was free; the channel may have been paced meanwhile.
+            if channel.health.check(tokens, Instant::now()).is_ok() {
+                channel.health.reserve(tokens);
+                return Ok(Admitted {
+                    channel,
+                    permit,
+                    waited: Some(started.elapsed()),
+                });
+            }
+        }
     }
+    Err(GatewayError::CapacityBusy { retry_after_s: 1 })
 }

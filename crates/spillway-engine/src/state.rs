@@ -27,13 +27,29 @@ pub struct ChannelRt {
     pub cfg: Channel,
     /// One permit per allowed concurrent upstream call (C1).
     pub permits: Arc<Semaphore>,
+    /// Its place in rotation (D6, E2, E3).
+    pub health: crate::health::Health,
+}
+
+impl ChannelRt {
+    pub fn in_flight(&self) -> u32 {
+        self.cfg
+            .max_concurrency
+            .saturating_sub(self.permits.available_permits() as u32)
+    }
+}
+
+/// A gateway key and its limiters (B1).
+pub struct KeyRt {
+    pub key: Key,
+    pub limits: crate::limits::KeyLimits,
 }
 
 pub struct AppState {
     pub config: Config,
     pub channels: Vec<Arc<ChannelRt>>,
     /// Gateway keys by the SHA-256 of their secret (B5): the secret itself is never held.
-    pub keys: HashMap<[u8; 32], Arc<Key>>,
+    pub keys: HashMap<[u8; 32], Arc<KeyRt>>,
     pub ledger: Ledger,
     pub client: reqwest::Client,
     pub metrics: crate::metrics::Metrics,
@@ -75,10 +91,21 @@ impl AppState {
                 Arc::new(ChannelRt {
                     cfg: c.clone(),
                     permits: Arc::new(Semaphore::new(c.max_concurrency as usize)),
+                    health: Default::default(),
                 })
             })
             .collect();
-        let keys = config.keys.iter().map(|k| (k.secret.0, Arc::new(k.clone()))).collect();
+        let keys = config
+            .keys
+            .iter()
+            .map(|k| {
+                let rt = KeyRt {
+                    key: k.clone(),
+                    limits: crate::limits::KeyLimits::new(k),
+                };
+                (k.secret.0, Arc::new(rt))
+            })
+            .collect();
         Ok(AppState {
             config,
             channels,

@@ -3,20 +3,23 @@
 //! and the ledger records that close the request.
 
 use crate::error::GatewayError;
+use crate::failover::Job;
 use crate::ingress::now_ms;
+use crate::limits::KeySlot;
 use crate::routing::Admitted;
 use crate::state::AppState;
-use crate::trace::TraceContext;
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
 use futures_util::Stream;
-use http::request::Parts;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 use serde_json::Value;
 use spillway_ledger::{AttemptRecord, RequestRecord, RequestState};
 use spillway_wire::signal::{ErrorClass, Signal, classify_response};
-use spillway_wire::{ErrorKind, Format, ParsedRequest, SseEvent, SseParser, Usage, stream_error_event};
+use spillway_wire::{
+    ErrorKind, Format, SseEvent, SseParser, Usage, classify_stream_error, rate_limit_state, stream_error_event,
+};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -36,7 +39,7 @@ const FORWARDED_HEADERS: &[&str] = &[
 /// Longest provider error message kept in the ledger.
 const MAX_MESSAGE: usize = 512;
 
-fn truncate(s: String) -> String {
+pub(crate) fn truncate(s: String) -> String {
     if s.len() <= MAX_MESSAGE {
         return s;
     }
@@ -64,7 +67,7 @@ fn upstream_url(base: &str, format: Format, uri: &http::Uri) -> String {
 }
 
 /// The A7 headers, on success and on failures after admission alike.
-fn gateway_headers(h: &mut HeaderMap, rec: &RequestRecord) {
+pub(crate) fn gateway_headers(h: &mut HeaderMap, rec: &RequestRecord) {
     let mut set = |name: &'static str, v: &str| {
         if let Ok(v) = HeaderValue::from_str(v) {
             h.insert(name, v);
@@ -89,7 +92,7 @@ fn gateway_headers(h: &mut HeaderMap, rec: &RequestRecord) {
 }
 
 /// What the client sees for a failed attempt, and the ledger's message for it.
-fn client_error(signal: &Signal, channel: &str, timeout_ms: u64) -> GatewayError {
+pub(crate) fn client_error(signal: &Signal, channel: &str) -> GatewayError {
     let (kind, message) = match signal.class {
         ErrorClass::RateLimit => (
             ErrorKind::RateLimited,
@@ -111,7 +114,10 @@ fn client_error(signal: &Signal, channel: &str, timeout_ms: u64) -> GatewayError
         ),
         ErrorClass::Timeout => (
             ErrorKind::Upstream,
-            format!("Upstream channel `{channel}` did not answer within {timeout_ms} ms."),
+            format!(
+                "Upstream channel `{channel}` timed out ({}).",
+                signal.message.as_deref().unwrap_or("no answer in time")
+            ),
         ),
         ErrorClass::Unreachable => (
             ErrorKind::Upstream,
@@ -137,10 +143,11 @@ fn client_error(signal: &Signal, channel: &str, timeout_ms: u64) -> GatewayError
         kind,
         message,
         retry_after_ms: signal.retry_after_ms,
+        futile: false,
     }
 }
 
-fn attempt_record(rec: &RequestRecord, channel: &str, started_at: i64) -> AttemptRecord {
+pub(crate) fn attempt_record(rec: &RequestRecord, channel: &str, started_at: i64) -> AttemptRecord {
     AttemptRecord {
         request_id: rec.id.clone(),
         attempt_no: rec.attempts,
@@ -156,10 +163,14 @@ fn attempt_record(rec: &RequestRecord, channel: &str, started_at: i64) -> Attemp
         finished_at: None,
         input_tokens: None,
         output_tokens: None,
+        decision: None,
+        decision_reason: None,
+        delay_ms: None,
+        ready_at: None,
     }
 }
 
-fn apply_signal(att: &mut AttemptRecord, s: &Signal) {
+pub(crate) fn apply_signal(att: &mut AttemptRecord, s: &Signal) {
     att.http_status = s.http_status;
     att.error_class = s.class.as_str().to_owned();
     att.provider_error_type = s.provider_error_type.clone();
@@ -182,7 +193,7 @@ fn apply_usage(rec: &mut RequestRecord, att: &mut AttemptRecord, u: &Usage) {
 }
 
 /// Closes an admitted request: live figures, then the ledger.
-async fn record(st: &AppState, rec: RequestRecord, att: AttemptRecord) {
+pub(crate) async fn record(st: &AppState, rec: RequestRecord, att: AttemptRecord) {
     st.metrics.finished(&rec, true, rec.finished_at.unwrap_or_else(now_ms));
     let ledger = &st.ledger;
     if let Err(e) = ledger.put_attempt(att).await {
@@ -193,91 +204,52 @@ async fn record(st: &AppState, rec: RequestRecord, att: AttemptRecord) {
     }
 }
 
-async fn fail(
-    st: &AppState,
-    mut rec: RequestRecord,
-    mut att: AttemptRecord,
-    signal: Signal,
-    channel: &str,
-    timeout_ms: u64,
-    format: Format,
-) -> Response {
-    apply_signal(&mut att, &signal);
-    // E2: a channel whose credential or quota is refused needs a person, not a retry.
-    match signal.class {
-        ErrorClass::Auth => st.alert(
-            "critical",
-            format!("Channel {channel} rejected its provider credential"),
-            format!(
-                "HTTP {}: fix the key behind this channel; requests routed to it fail until then.",
-                signal.http_status.unwrap_or(0)
-            ),
-            Some(channel.to_owned()),
-        ),
-        ErrorClass::Quota => st.alert(
-            "critical",
-            format!("Channel {channel} is out of provider quota"),
-            format!(
-                "{}: raise the quota or billing limit with the provider.",
-                signal.provider_error_type.as_deref().unwrap_or("quota")
-            ),
-            Some(channel.to_owned()),
-        ),
-        _ => {}
-    }
-    att.finished_at = Some(now_ms());
-    let err = client_error(&signal, channel, timeout_ms);
-    rec.state = RequestState::Failed;
-    rec.http_status = Some(err.kind().status());
-    rec.error_class = Some(signal.class.as_str().to_owned());
-    rec.error_message = Some(err.to_string());
-    rec.finished_at = att.finished_at;
-    let mut resp = err.into_response(format);
-    gateway_headers(resp.headers_mut(), &rec);
-    record(st, rec, att).await;
-    resp
+/// How one attempt ended.
+pub enum Outcome {
+    /// The client gets this answer as it is: a success, a stream that showed output, or
+    /// the provider's own 400/404/413/422 (D3). The ledger records are taken care of.
+    Answer(Response),
+    /// The attempt failed before the client saw anything; the attempt loop decides.
+    Failed {
+        rec: Box<RequestRecord>,
+        att: Box<AttemptRecord>,
+        signal: Signal,
+    },
 }
 
-#[allow(clippy::too_many_arguments)]
-pub async fn run(
-    st: Arc<AppState>,
-    mut rec: RequestRecord,
-    admitted: Admitted,
-    format: Format,
-    parts: Parts,
-    body: Bytes,
-    parsed: ParsedRequest,
-    trace: TraceContext,
-) -> Response {
+fn failed(rec: RequestRecord, mut att: AttemptRecord, signal: Signal) -> Outcome {
+    apply_signal(&mut att, &signal);
+    att.finished_at = Some(now_ms());
+    Outcome::Failed {
+        rec: Box::new(rec),
+        att: Box::new(att),
+        signal,
+    }
+}
+
+/// One upstream call on the admitted channel. `rec.attempts` already counts it.
+pub async fn attempt(job: &mut Job, mut rec: RequestRecord, admitted: Admitted) -> Outcome {
+    let st = job.st.clone();
+    let format = job.format;
     let channel = admitted.channel.clone();
     let ch = &channel.cfg;
-    let timeout_ms = ch.timeout_ms.unwrap_or(st.config.attempt_timeout_ms);
-    let timeout = Duration::from_millis(timeout_ms);
-    rec.state = RequestState::CallingApi;
-    rec.admitted_at = Some(now_ms());
-    rec.queued_ms = admitted.queued_ms;
-    rec.channel = Some(ch.name.clone());
-    rec.served_model = Some(parsed.model.clone());
-    rec.attempts = 1;
-    // I3: the request is durably `calling_api` before anything leaves for the provider.
-    if let Err(e) = st.ledger.put_request_durable(rec.clone()).await {
-        tracing::error!(error = %e, request_id = %rec.id, "ledger unavailable; refusing to call upstream");
-        return GatewayError::LedgerUnavailable.into_response(format);
-    }
-    st.metrics.started(&rec);
+    let left = job.deadline.saturating_duration_since(tokio::time::Instant::now());
+    // F3: an attempt gets its own timeout, never more than the request has left.
+    let timeout = Duration::from_millis(ch.timeout_ms.unwrap_or(st.config.attempt_timeout_ms)).min(left);
+    let timeout_ms = timeout.as_millis() as u64;
 
     let mut rb = st
         .client
-        .post(upstream_url(&ch.base_url, format, &parts.uri))
+        .post(upstream_url(&ch.base_url, format, &job.parts.uri))
         .header(header::CONTENT_TYPE, "application/json")
-        .header("traceparent", trace.traceparent())
-        .body(body);
+        .header("traceparent", job.trace.traceparent())
+        .body(job.body.clone());
     for name in FORWARDED_HEADERS {
-        if let Some(v) = parts.headers.get(*name) {
+        if let Some(v) = job.parts.headers.get(*name) {
             rb = rb.header(*name, v.clone());
         }
     }
-    if format == Format::Anthropic && !parts.headers.contains_key("anthropic-version") {
+    if format == Format::Anthropic && !job.parts.headers.contains_key("anthropic-version") {
         rb = rb.header("anthropic-version", "2023-06-01");
     }
     if let Some(key) = &ch.api_key {
@@ -296,7 +268,7 @@ pub async fn run(
                 ErrorClass::Timeout,
                 format!("no response headers within {timeout_ms} ms"),
             );
-            return fail(&st, rec, att, s, &ch.name, timeout_ms, format).await;
+            return failed(rec, att, s);
         }
         Ok(Err(e)) => {
             let class = if e.is_timeout() {
@@ -306,7 +278,7 @@ pub async fn run(
             };
             // reqwest's message names the URL, which holds no secret; keep the cause chain short.
             let s = Signal::transport(class, truncate(format!("{e}")));
-            return fail(&st, rec, att, s, &ch.name, timeout_ms, format).await;
+            return failed(rec, att, s);
         }
         Ok(Ok(r)) => r,
     };
@@ -321,21 +293,21 @@ pub async fn run(
     att.upstream_request_id = upstream_request_id.clone();
     rec.upstream_request_id = upstream_request_id;
     let lookup = |name: &str| up_headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    // E3: every answer says how much room the channel has left.
+    channel.health.observe_room(
+        rate_limit_state(format, &lookup, SystemTime::now()),
+        tokio::time::Instant::now(),
+    );
 
-    if status.is_success() && parsed.stream {
+    if status.is_success() && job.parsed.stream {
         let content_type = up_headers
             .get(header::CONTENT_TYPE)
             .cloned()
             .unwrap_or(HeaderValue::from_static("text/event-stream"));
-        let mut out = Response::new(Body::empty());
-        *out.status_mut() = StatusCode::OK;
-        let h = out.headers_mut();
-        h.insert(header::CONTENT_TYPE, content_type);
-        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-        h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-        gateway_headers(h, &rec);
-        let observed = Observed {
+        let mut observed = Observed {
             inner: Box::pin(resp.bytes_stream()),
+            inner_done: false,
+            prefix: VecDeque::new(),
             parser: SseParser::new(),
             usage: Usage::default(),
             format,
@@ -345,12 +317,29 @@ pub async fn run(
             att: Some(att),
             st: st.clone(),
             permit: Some(admitted.permit),
+            key_slot: None,
             idle: Box::pin(tokio::time::sleep(timeout)),
             idle_timeout: timeout,
             finished: false,
         };
+        // H2: hold the stream's opening events until it shows output; a failure before
+        // that is retried like any other, and the client never knows.
+        if let Some(signal) = observed.prime().await {
+            let (rec, att) = observed.disarm();
+            return failed(rec, att, signal);
+        }
+        observed.key_slot = job.key_slot.take();
+        let mut out = Response::new(Body::empty());
+        *out.status_mut() = StatusCode::OK;
+        let h = out.headers_mut();
+        h.insert(header::CONTENT_TYPE, content_type);
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+        if let Some(rec) = &observed.rec {
+            gateway_headers(h, rec);
+        }
         *out.body_mut() = Body::from_stream(observed);
-        return out;
+        return Outcome::Answer(out);
     }
 
     let body = match tokio::time::timeout(timeout, resp.bytes()).await {
@@ -360,14 +349,14 @@ pub async fn run(
                 ErrorClass::StreamInterrupted,
                 truncate(format!("reading the response body: {e}")),
             );
-            return fail(&st, rec, att, s, &ch.name, timeout_ms, format).await;
+            return failed(rec, att, s);
         }
         Err(_) => {
             let s = Signal::transport(
                 ErrorClass::Timeout,
                 format!("response body not complete within {timeout_ms} ms"),
             );
-            return fail(&st, rec, att, s, &ch.name, timeout_ms, format).await;
+            return failed(rec, att, s);
         }
     };
     let signal = classify_response(format, status.as_u16(), &lookup, &body, SystemTime::now());
@@ -378,10 +367,12 @@ pub async fn run(
             apply_signal(&mut att, &signal);
             let now = now_ms();
             att.finished_at = Some(now);
+            att.decision = Some("done".into());
             rec.first_token_at = att.first_byte_at;
             rec.finished_at = Some(now);
             rec.state = RequestState::Done;
             rec.http_status = Some(status.as_u16());
+            rec.next_ready_at = None;
             let mut out = Response::new(Body::from(body));
             *out.status_mut() = status;
             let h = out.headers_mut();
@@ -394,17 +385,20 @@ pub async fn run(
             );
             gateway_headers(h, &rec);
             record(&st, rec, att).await;
-            out
+            Outcome::Answer(out)
         }
         ErrorClass::InvalidRequest => {
             // D3: the provider's own 400/404/413/422 goes back as it came; retrying cannot help.
             apply_signal(&mut att, &signal);
             att.finished_at = Some(now_ms());
+            att.decision = Some("passed_through".into());
+            att.decision_reason = Some(crate::retry::Stop::NotRetryable.as_str().into());
             rec.state = RequestState::Failed;
             rec.http_status = Some(status.as_u16());
             rec.error_class = Some(signal.class.as_str().to_owned());
             rec.error_message = signal.message.clone().map(truncate);
             rec.finished_at = att.finished_at;
+            rec.next_ready_at = None;
             let mut out = Response::new(Body::from(body));
             *out.status_mut() = status;
             let h = out.headers_mut();
@@ -412,9 +406,9 @@ pub async fn run(
             h.insert("x-should-retry", HeaderValue::from_static("false"));
             gateway_headers(h, &rec);
             record(&st, rec, att).await;
-            out
+            Outcome::Answer(out)
         }
-        _ => fail(&st, rec, att, signal, &ch.name, timeout_ms, format).await,
+        _ => failed(rec, att, signal),
     }
 }
 
@@ -443,18 +437,13 @@ fn carries_output(format: Format, ev: &SseEvent, json: Option<&Value>) -> bool {
 }
 
 /// An in-stream error the provider sent as an event (Anthropic `event: error`, an
-/// OpenAI/Gemini data line with an `error` object).
-fn stream_error(ev: &SseEvent, json: Option<&Value>) -> Option<String> {
+/// OpenAI/Gemini data line with an `error` object): the error object.
+fn stream_error<'a>(ev: &SseEvent, json: Option<&'a Value>) -> Option<&'a Value> {
     let err = json?.get("error")?;
     if ev.event.as_deref().is_some_and(|e| e != "error") {
         return None;
     }
-    Some(
-        err.get("message")
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-            .unwrap_or_else(|| err.to_string()),
-    )
+    Some(err)
 }
 
 /// The upstream stream, passed through chunk by chunk while a copy goes through the SSE
@@ -463,15 +452,21 @@ fn stream_error(ev: &SseEvent, json: Option<&Value>) -> Option<String> {
 /// the ledger and frees the channel slot.
 struct Observed {
     inner: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    /// The upstream ended while priming.
+    inner_done: bool,
+    /// What priming read, sent to the client before anything newer.
+    prefix: VecDeque<Bytes>,
     parser: SseParser,
     usage: Usage,
     format: Format,
     first_token_at: Option<i64>,
-    stream_error: Option<String>,
+    stream_error: Option<Signal>,
     rec: Option<RequestRecord>,
     att: Option<AttemptRecord>,
     st: Arc<AppState>,
     permit: Option<OwnedSemaphorePermit>,
+    /// The key's concurrency slot (B1), held as long as the stream runs.
+    key_slot: Option<KeySlot>,
     /// Fires when the upstream sends nothing for `idle_timeout`.
     idle: Pin<Box<tokio::time::Sleep>>,
     idle_timeout: Duration,
@@ -504,10 +499,64 @@ impl Observed {
             if let Some(v) = &json {
                 self.usage.merge(Usage::from_json(self.format, v));
             }
-            if let Some(m) = stream_error(&ev, json.as_ref()) {
-                self.stream_error = Some(m);
+            if let Some(e) = stream_error(&ev, json.as_ref()) {
+                self.stream_error = Some(classify_stream_error(self.format, e));
             }
         }
+    }
+
+    /// Reads the stream until it shows output (H2's first token), fails, or ends, keeping
+    /// what it read for the client. A failure before output comes back as the attempt's
+    /// signal, to be retried: the client has seen nothing yet, not even headers.
+    async fn prime(&mut self) -> Option<Signal> {
+        use futures_util::StreamExt;
+        let limit = self.idle_timeout;
+        let deadline = tokio::time::Instant::now() + limit;
+        let ms = limit.as_millis();
+        loop {
+            match tokio::time::timeout_at(deadline, self.inner.next()).await {
+                Err(_) => {
+                    return Some(Signal::transport(
+                        ErrorClass::Timeout,
+                        format!("no visible output within {ms} ms"),
+                    ));
+                }
+                Ok(None) => {
+                    // Ended without output: a complete (if empty) answer, passed on as is.
+                    self.inner_done = true;
+                    break;
+                }
+                Ok(Some(Err(e))) => {
+                    return Some(Signal::transport(
+                        ErrorClass::StreamInterrupted,
+                        truncate(format!("stream broke off before its first token: {e}")),
+                    ));
+                }
+                Ok(Some(Ok(chunk))) => {
+                    self.observe(&chunk);
+                    self.prefix.push_back(chunk);
+                    if self.first_token_at.is_some() {
+                        break;
+                    }
+                    if let Some(mut s) = self.stream_error.take() {
+                        s.http_status = Some(200);
+                        return Some(s);
+                    }
+                }
+            }
+        }
+        let idle = tokio::time::Instant::now() + self.idle_timeout;
+        self.idle.as_mut().reset(idle);
+        None
+    }
+
+    /// Takes the records back from a stream that failed while priming; dropping it then
+    /// records nothing.
+    fn disarm(mut self) -> (RequestRecord, AttemptRecord) {
+        self.finished = true;
+        let rec = self.rec.take().expect("primed streams hold their records");
+        let att = self.att.take().expect("primed streams hold their records");
+        (rec, att)
     }
 
     fn finish(&mut self, end: End) {
@@ -523,10 +572,18 @@ impl Observed {
         att.finished_at = Some(now);
         att.http_status = Some(200);
         let failure = match end {
-            End::Complete => self
-                .stream_error
-                .take()
-                .map(|m| (ErrorClass::Unknown, format!("provider sent an error event: {m}"))),
+            End::Complete => self.stream_error.take().map(|s| {
+                (
+                    s.class,
+                    format!(
+                        "provider sent an error event: {}",
+                        s.message
+                            .as_deref()
+                            .or(s.provider_error_type.as_deref())
+                            .unwrap_or("error")
+                    ),
+                )
+            }),
             End::Broken(class, m) => Some((class, m)),
             End::ClientGone => Some((
                 ErrorClass::Unknown,
@@ -537,7 +594,9 @@ impl Observed {
             None => {
                 rec.state = RequestState::Done;
                 rec.http_status = Some(200);
+                rec.next_ready_at = None;
                 att.error_class = ErrorClass::Success.as_str().to_owned();
+                att.decision = Some("done".into());
             }
             Some((class, message)) => {
                 rec.state = RequestState::Failed;
@@ -553,8 +612,14 @@ impl Observed {
                 rec.error_message = Some(truncate(message.clone()));
                 att.error_class = class_name.to_owned();
                 att.message = Some(truncate(message));
+                // F2's first rule: once output is visible the request fails closed.
+                att.decision = Some("fail_closed".into());
+                if rec.partial_output_committed {
+                    att.decision_reason = Some(crate::retry::Stop::PartialOutputCommitted.as_str().into());
+                }
             }
         }
+        self.key_slot.take();
         // Queued synchronously, before the stream reports its end: a graceful shutdown that
         // waits for this connection and then flushes the ledger cannot miss it.
         self.st.metrics.finished(&rec, true, now);
@@ -572,7 +637,14 @@ impl Stream for Observed {
     type Item = Result<Bytes, std::io::Error>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Some(chunk) = self.prefix.pop_front() {
+            return Poll::Ready(Some(Ok(chunk)));
+        }
         if self.finished {
+            return Poll::Ready(None);
+        }
+        if self.inner_done {
+            self.finish(End::Complete);
             return Poll::Ready(None);
         }
         match self.inner.as_mut().poll_next(cx) {
@@ -707,9 +779,14 @@ mod tests {
             Some("error"),
             r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
         );
-        assert_eq!(stream_error(&e, j.as_ref()).as_deref(), Some("Overloaded"));
+        let msg = |v: Option<&Value>| {
+            v.and_then(|e| e.get("message"))
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        };
+        assert_eq!(msg(stream_error(&e, j.as_ref())).as_deref(), Some("Overloaded"));
         let (e, j) = ev(None, r#"{"error":{"message":"boom"}}"#);
-        assert_eq!(stream_error(&e, j.as_ref()).as_deref(), Some("boom"));
+        assert_eq!(msg(stream_error(&e, j.as_ref())).as_deref(), Some("boom"));
         let (e, j) = ev(Some("content_block_delta"), r#"{"error":"not an error event"}"#);
         assert_eq!(stream_error(&e, j.as_ref()), None);
     }

@@ -83,6 +83,8 @@ pub struct RequestRecord {
     pub attempts: u32,
     pub body_sha256: Option<String>,
     pub partial_output_committed: bool,
+    /// While waiting to retry: the next attempt starts no earlier (F1, I5). Unix ms.
+    pub next_ready_at: Option<i64>,
 }
 
 impl RequestRecord {
@@ -120,6 +122,7 @@ impl RequestRecord {
             attempts: 0,
             body_sha256: None,
             partial_output_committed: false,
+            next_ready_at: None,
         }
     }
 }
@@ -141,6 +144,16 @@ pub struct AttemptRecord {
     pub finished_at: Option<i64>,
     pub input_tokens: Option<u64>,
     pub output_tokens: Option<u64>,
+    /// What the gateway did after this attempt (F2): `done`, `retry`, `failover`, `wait`,
+    /// `fail_closed` or `passed_through` (the provider's own 4xx, D3).
+    pub decision: Option<String>,
+    /// Why, for `fail_closed` and waits: `partial_output_committed`,
+    /// `attempt_budget_exhausted`, `retry_after_exceeds_deadline`, `not_retryable`, …
+    pub decision_reason: Option<String>,
+    /// The pause before the next attempt.
+    pub delay_ms: Option<u64>,
+    /// Unix ms: the next attempt starts no earlier (F1).
+    pub ready_at: Option<i64>,
 }
 
 /// A ledger search (the console's explorer). Every filter is optional; results come

@@ -25,7 +25,7 @@ const ROWS_PER_STATEMENT: usize = 500;
 const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request_id, key_name, owner, workflow, \
     format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
     error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
-    admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed";
+    admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at";
 
 /// Columns fixed when a request is first written. Leaving them out of the upsert's SET
 /// spares SQLite rewriting their index entries (trace id, client id, time) on every
@@ -50,7 +50,8 @@ static REQUEST_UPSERT: LazyLock<String> = LazyLock::new(|| {
 });
 
 const ATTEMPT_COLUMNS: &str = "request_id, attempt_no, channel, upstream_request_id, http_status, error_class, \
-    provider_error_type, retry_after_ms, message, started_at, first_byte_at, finished_at, input_tokens, output_tokens";
+    provider_error_type, retry_after_ms, message, started_at, first_byte_at, finished_at, input_tokens, output_tokens, \
+    decision, decision_reason, delay_ms, ready_at";
 
 pub struct SqliteBackend {
     writer: Mutex<SqliteConnection>,
@@ -146,6 +147,7 @@ fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
         attempts: r.try_get::<i64, _>("attempts")? as u32,
         body_sha256: r.try_get("body_sha256")?,
         partial_output_committed: r.try_get("partial_output_committed")?,
+        next_ready_at: r.try_get("next_ready_at")?,
     })
 }
 
@@ -165,6 +167,10 @@ fn attempt_from_row(r: &SqliteRow) -> Result<AttemptRecord> {
         finished_at: r.try_get("finished_at")?,
         input_tokens: u(r.try_get("input_tokens")?),
         output_tokens: u(r.try_get("output_tokens")?),
+        decision: r.try_get("decision")?,
+        decision_reason: r.try_get("decision_reason")?,
+        delay_ms: u(r.try_get("delay_ms")?),
+        ready_at: r.try_get("ready_at")?,
     })
 }
 
@@ -201,7 +207,8 @@ fn upsert_requests(chunk: &[RequestRecord]) -> QueryBuilder<Sqlite> {
             .push_bind(i(r.queued_ms))
             .push_bind(i64::from(r.attempts))
             .push_bind(r.body_sha256.clone())
-            .push_bind(r.partial_output_committed);
+            .push_bind(r.partial_output_committed)
+            .push_bind(r.next_ready_at);
     });
     q.push(&*REQUEST_UPSERT);
     q
@@ -224,7 +231,11 @@ fn insert_attempts(chunk: &[AttemptRecord]) -> QueryBuilder<Sqlite> {
             .push_bind(a.first_byte_at)
             .push_bind(a.finished_at)
             .push_bind(i(a.input_tokens))
-            .push_bind(i(a.output_tokens));
+            .push_bind(i(a.output_tokens))
+            .push_bind(a.decision.clone())
+            .push_bind(a.decision_reason.clone())
+            .push_bind(i(a.delay_ms))
+            .push_bind(a.ready_at);
     });
     q
 }

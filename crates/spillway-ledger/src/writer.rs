@@ -292,6 +292,10 @@ mod tests {
                 finished_at: Some(4),
                 input_tokens: Some(5),
                 output_tokens: Some(6),
+                decision: Some("done".into()),
+                decision_reason: None,
+                delay_ms: None,
+                ready_at: Some(1_780_000_000_000),
             })
             .await
             .unwrap();

@@ -15,6 +15,12 @@ pub const DEFAULT_MAX_BODY_BYTES: u64 = 16 * 1024 * 1024;
 /// F3: interactive attempts get 8 s.
 pub const DEFAULT_ATTEMPT_TIMEOUT_MS: u64 = 8_000;
 const DEFAULT_CHANNEL_CONCURRENCY: u32 = 64;
+/// D1, F3: three attempts per request across the channel group.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+/// F3: an interactive request gets 20 s in all, queueing and retries included.
+pub const DEFAULT_TOTAL_DEADLINE_MS: u64 = 20_000;
+/// C2: at most 10 s waiting for channel capacity; a config may set less, never more.
+pub const MAX_CAPACITY_WAIT_MS: u64 = 10_000;
 
 type S<T> = Spanned<T>;
 
@@ -29,6 +35,12 @@ struct RawConfig {
     max_body_bytes: Option<S<u64>>,
     #[serde(default)]
     attempt_timeout_ms: Option<S<u64>>,
+    #[serde(default)]
+    max_attempts: Option<S<u32>>,
+    #[serde(default)]
+    total_deadline_ms: Option<S<u64>>,
+    #[serde(default)]
+    capacity_wait_ms: Option<S<u64>>,
     channels: S<Vec<S<RawChannel>>>,
     #[serde(default)]
     keys: Vec<S<RawKey>>,
@@ -87,6 +99,12 @@ pub struct Config {
     pub ledger: Option<LedgerLocation>,
     pub max_body_bytes: u64,
     pub attempt_timeout_ms: u64,
+    /// Upstream attempts per request, first one included (D1).
+    pub max_attempts: u32,
+    /// Everything a request may take, from receipt to its last byte's start (F3).
+    pub total_deadline_ms: u64,
+    /// Longest wait for channel capacity (C2).
+    pub capacity_wait_ms: u64,
     pub channels: Vec<Channel>,
     pub keys: Vec<Key>,
     pub owners: Vec<Owner>,
@@ -290,6 +308,34 @@ impl RawConfig {
             }
             Some(m) => m.value,
             None => DEFAULT_ATTEMPT_TIMEOUT_MS,
+        };
+        let max_attempts = match &self.max_attempts {
+            Some(m) if !(1..=10).contains(&m.value) => {
+                cx.err(m, "max_attempts", "must be between 1 and 10");
+                DEFAULT_MAX_ATTEMPTS
+            }
+            Some(m) => m.value,
+            None => DEFAULT_MAX_ATTEMPTS,
+        };
+        let total_deadline_ms = match &self.total_deadline_ms {
+            Some(m) if m.value == 0 => {
+                cx.err(m, "total_deadline_ms", "must be greater than 0");
+                DEFAULT_TOTAL_DEADLINE_MS
+            }
+            Some(m) => m.value,
+            None => DEFAULT_TOTAL_DEADLINE_MS,
+        };
+        let capacity_wait_ms = match &self.capacity_wait_ms {
+            Some(m) if m.value > MAX_CAPACITY_WAIT_MS => {
+                cx.err(
+                    m,
+                    "capacity_wait_ms",
+                    format!("must be at most {MAX_CAPACITY_WAIT_MS} (C2 caps capacity waits at 10 s)"),
+                );
+                MAX_CAPACITY_WAIT_MS
+            }
+            Some(m) => m.value,
+            None => MAX_CAPACITY_WAIT_MS,
         };
 
         let mut owners = Vec::new();
@@ -514,6 +560,9 @@ impl RawConfig {
             ledger,
             max_body_bytes,
             attempt_timeout_ms,
+            max_attempts,
+            total_deadline_ms,
+            capacity_wait_ms,
             channels,
             keys,
             owners,
@@ -569,6 +618,16 @@ owners:
         assert_eq!(c.channels[0].api_key.as_deref(), Some("sk-upstream"));
         assert_eq!(c.keys[0].secret, hash_secret("sk-app-0123456789abcdef"));
         assert_eq!(c.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+        // spec: F3, D1, C2 (the interactive defaults)
+        assert_eq!(
+            (
+                c.attempt_timeout_ms,
+                c.max_attempts,
+                c.total_deadline_ms,
+                c.capacity_wait_ms
+            ),
+            (8_000, 3, 20_000, 10_000)
+        );
         assert!(c.listen_warning.is_none());
         // The upstream key never shows in debug output (P3).
         assert!(!format!("{c:?}").contains("sk-upstream"));
@@ -641,6 +700,20 @@ owners:
             let e = parse(&GOOD.replace(from, to)).unwrap_err();
             assert!(e.0.iter().any(|e| e.field == field && e.line > 0), "{to}: {e}");
         }
+        for (line, field) in [
+            ("max_attempts: 0", "max_attempts"),
+            ("max_attempts: 11", "max_attempts"),
+            ("total_deadline_ms: 0", "total_deadline_ms"),
+            ("capacity_wait_ms: 10001", "capacity_wait_ms"),
+        ] {
+            let e = parse(&format!("{line}\n{GOOD}")).unwrap_err();
+            assert!(e.0.iter().any(|e| e.field == field && e.line == 1), "{line}: {e}");
+        }
+        let c = parse(&format!("max_attempts: 5\ncapacity_wait_ms: 2000\n{GOOD}")).unwrap();
+        assert_eq!(
+            (c.max_attempts, c.capacity_wait_ms, c.total_deadline_ms),
+            (5, 2000, 20_000)
+        );
         let e = parse(&GOOD.replace("max_concurrency: 8", "max_concurrency: lots")).unwrap_err();
         assert!(e.0[0].line == 9 && e.0[0].field == "max_concurrency", "{e}");
     }

@@ -7,7 +7,7 @@ mod config;
 mod error;
 
 pub use config::{
-    Channel, Config, DEFAULT_ATTEMPT_TIMEOUT_MS, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES, Key, KeySecret,
-    LedgerLocation, Owner, hash_secret,
+    Channel, Config, DEFAULT_ATTEMPT_TIMEOUT_MS, DEFAULT_LISTEN, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_TOTAL_DEADLINE_MS, Key, KeySecret, LedgerLocation, MAX_CAPACITY_WAIT_MS, Owner, hash_secret,
 };
 pub use error::{ConfigError, ConfigErrors, Result};

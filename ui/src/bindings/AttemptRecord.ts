@@ -3,4 +3,22 @@
 /**
  * One upstream attempt of a request.
  */
-export type AttemptRecord = { request_id: string, attempt_no: number, channel: string, upstream_request_id: string | null, http_status: number | null, error_class: string, provider_error_type: string | null, retry_after_ms: number | null, message: string | null, started_at: number, first_byte_at: number | null, finished_at: number | null, input_tokens: number | null, output_tokens: number | null, };
+export type AttemptRecord = { request_id: string, attempt_no: number, channel: string, upstream_request_id: string | null, http_status: number | null, error_class: string, provider_error_type: string | null, retry_after_ms: number | null, message: string | null, started_at: number, first_byte_at: number | null, finished_at: number | null, input_tokens: number | null, output_tokens: number | null, 
+/**
+ * What the gateway did after this attempt (F2): `done`, `retry`, `failover`, `wait`,
+ * `fail_closed` or `passed_through` (the provider's own 4xx, D3).
+ */
+decision: string | null, 
+/**
+ * Why, for `fail_closed` and waits: `partial_output_committed`,
+ * `attempt_budget_exhausted`, `retry_after_exceeds_deadline`, `not_retryable`, …
+ */
+decision_reason: string | null, 
+/**
+ * The pause before the next attempt.
+ */
+delay_ms: number | null, 
+/**
+ * Unix ms: the next attempt starts no earlier (F1).
+ */
+ready_at: number | null, };

@@ -4,4 +4,8 @@ import type { RequestState } from "./RequestState";
 /**
  * One logical request, with the I1 fields. Times are unix milliseconds.
  */
-export type RequestRecord = { id: string, trace_id: string, client_request_id: string | null, upstream_request_id: string | null, key_name: string | null, owner: string | null, workflow: string | null, format: string, endpoint: string, route: string | null, channel: string | null, requested_model: string | null, served_model: string | null, stream: boolean, state: RequestState, http_status: number | null, error_class: string | null, error_message: string | null, input_tokens: number | null, output_tokens: number | null, cached_input_tokens: number | null, reasoning_tokens: number | null, cost_usd: number | null, received_at: number, admitted_at: number | null, first_token_at: number | null, finished_at: number | null, queued_ms: number | null, attempts: number, body_sha256: string | null, partial_output_committed: boolean, };
+export type RequestRecord = { id: string, trace_id: string, client_request_id: string | null, upstream_request_id: string | null, key_name: string | null, owner: string | null, workflow: string | null, format: string, endpoint: string, route: string | null, channel: string | null, requested_model: string | null, served_model: string | null, stream: boolean, state: RequestState, http_status: number | null, error_class: string | null, error_message: string | null, input_tokens: number | null, output_tokens: number | null, cached_input_tokens: number | null, reasoning_tokens: number | null, cost_usd: number | null, received_at: number, admitted_at: number | null, first_token_at: number | null, finished_at: number | null, queued_ms: number | null, attempts: number, body_sha256: string | null, partial_output_committed: boolean, 
+/**
+ * While waiting to retry: the next attempt starts no earlier (F1, I5). Unix ms.
+ */
+next_ready_at: number | null, };

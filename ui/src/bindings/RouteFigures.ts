@@ -13,6 +13,14 @@ queued: number, requests: number, succeeded: number, failed: number,
  */
 attempts: number, 
 /**
+ * Failed attempts by E2 class (`rate_limit`, `overload`, `server_error`, …).
+ */
+errors_by_class: { [key in string]: number }, 
+/**
+ * Requests that waited for capacity or a paced channel, and how long (C2).
+ */
+waited: number, wait_ms_total: number, wait_ms_max: number, 
+/**
  * Sum of known costs; `cost_unknown` counts requests whose cost is not known.
  */
 cost_usd: number, cost_unknown: number, };
