@@ -89,12 +89,13 @@ def sim():
 
 
 class Gateway:
-    def __init__(self, proc, url, key, ledger, channels, sim):
+    def __init__(self, proc, url, key, ledger, channels, sim, groups):
         self.proc = proc
         self.url = url
         self.key = key
         self.ledger = ledger
-        self.channels = channels  # format -> channel name on the simulator
+        self.channels = channels  # format -> first channel name on the simulator
+        self.groups = groups  # format -> every channel name of the format's group
         self.sim = sim
 
     def channel(self, fmt):
@@ -124,16 +125,32 @@ class Gateway:
     def calls(self, fmt):
         return self.sim.stats(self.channel(fmt))["calls"]
 
+    def group_calls(self, fmt):
+        """Upstream calls per channel of the format's group, in config order."""
+        return [self.sim.stats(c)["calls"] for c in self.groups[fmt]]
 
-def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml="", args=()):
+    def admin(self, method, path, body=None):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"authorization": f"Bearer {self.admin_token}", "content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+
+def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml="", args=(), group=1, max_concurrency=8, key_yaml=""):
+    """A gateway with `group` channels per format (named `{prefix}-{fmt}`, `-2`, `-3`, …).
+    Earlier channels of a group get a higher priority, so they are always tried first."""
     prefix = "t" + secrets.token_hex(4)
     key = "sk-test-" + secrets.token_hex(16)
-    channels = {fmt: f"{prefix}-{fmt}" for fmt in MODELS}
+    groups = {fmt: [f"{prefix}-{fmt}"] + [f"{prefix}-{fmt}-{i}" for i in range(2, group + 1)] for fmt in MODELS}
+    channels = {fmt: names[0] for fmt, names in groups.items()}
     lines = ["listen: 127.0.0.1:0", f"ledger: sqlite://{tmp_path / 'ledger.db'}", extra_yaml, "channels:"]
-    for fmt, name in channels.items():
-        lines += [f"  - name: {name}", f"    format: {fmt}", f"    base_url: {sim.url}/{name}",
-                  "    api_key_env: UPSTREAM_KEY", f"    models: [{MODELS[fmt]}]", "    max_concurrency: 8", channel_yaml]
-    lines += ["keys:", "  - name: app", "    owner: team-a", "    secret_env: SPILLWAY_TEST_KEY",
+    for fmt, names in groups.items():
+        for i, name in enumerate(names):
+            lines += [f"  - name: {name}", f"    format: {fmt}", f"    base_url: {sim.url}/{name}",
+                      "    api_key_env: UPSTREAM_KEY", f"    models: [{MODELS[fmt]}]",
+                      f"    max_concurrency: {max_concurrency}", f"    priority: {len(names) - i}", channel_yaml]
+    lines += ["keys:", "  - name: app", "    owner: team-a", "    secret_env: SPILLWAY_TEST_KEY", key_yaml,
               "owners:", "  - name: team-a", "    balance_usd: 100"]
     cfg = tmp_path / "gateway.yaml"
     cfg.write_text("\n".join(l for l in lines if l) + "\n")
@@ -141,7 +158,7 @@ def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml="", args=()):
                             env=clean_env(SPILLWAY_TEST_KEY=key, UPSTREAM_KEY="sk-upstream-" + prefix,
                                           SPILLWAY_DATA_DIR=str(tmp_path / "data")))
     line = read_line(proc, "spillway listening on ")
-    gw = Gateway(proc, line.split()[-1], key, tmp_path / "ledger.db", channels, sim)
+    gw = Gateway(proc, line.split()[-1], key, tmp_path / "ledger.db", channels, sim, groups)
     gw.admin_token = (tmp_path / "data" / "admin-token").read_text().strip()
     return gw
 

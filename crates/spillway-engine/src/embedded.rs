@@ -94,6 +94,7 @@ pub async fn build(env: &dyn Fn(&str) -> Option<String>) -> Result<Embedded> {
                 models: vec!["*".to_owned()],
                 max_concurrency: 16,
                 weight: 1,
+                priority: 0,
                 timeout_ms: None,
             }),
             None => {
@@ -107,6 +108,7 @@ pub async fn build(env: &dyn Fn(&str) -> Option<String>) -> Result<Embedded> {
                     models: p.sim_models.iter().map(|m| m.to_string()).collect(),
                     max_concurrency: 64,
                     weight: 1,
+                    priority: 0,
                     timeout_ms: None,
                 });
                 simulated.extend(p.sim_models.iter().map(|m| Target {

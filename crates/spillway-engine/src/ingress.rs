@@ -194,6 +194,8 @@ async fn reject(st: &AppState, mut rec: RequestRecord, format: Format, err: Gate
     rec.http_status = Some(err.kind().status());
     rec.error_class = Some(err.class().to_owned());
     rec.error_message = Some(err.to_string());
+    // C3: nothing went upstream, so nothing is billed.
+    rec.cost_usd = Some(0.0);
     let now = now_ms();
     rec.finished_at = Some(now);
     st.metrics.finished(&rec, false, now);
@@ -341,6 +343,7 @@ impl Drop for Abandoned {
             rec.error_message =
                 Some("The client disconnected while the request waited for room; nothing was sent upstream.".into());
             rec.finished_at = Some(now);
+            rec.cost_usd = Some(0.0);
             st.metrics.finished(&rec, false, now);
             st.ledger.enqueue_request(rec);
         }

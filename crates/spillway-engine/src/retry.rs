@@ -121,7 +121,8 @@ pub fn decide(f: Failure, now: Instant, jitter: impl FnOnce(Duration) -> Duratio
     } else {
         f.hint.unwrap_or_else(|| jitter(backoff_ceiling(f.attempts)))
     };
-    if delay > f.remaining {
+    // A delay that uses up the whole deadline leaves no time for the attempt itself.
+    if delay >= f.remaining {
         return Decision::FailClosed(Stop::RetryAfterExceedsDeadline);
     }
     if delay > QUEUE_THRESHOLD {
@@ -277,14 +278,14 @@ mod tests {
         assert!(Instant::now() < ready_at);
         tokio::time::advance(Duration::from_secs(1)).await;
         assert!(Instant::now() >= ready_at);
-        // A hint equal to what is left still fits; one millisecond more does not.
+        // A hint just under what is left still fits; one that uses it all up does not.
         let f = Failure {
-            hint: Some(Duration::from_secs(19)),
+            hint: Some(Duration::from_millis(18_999)),
             ..failure()
         };
         assert!(matches!(decide(f, Instant::now(), |c| c), Decision::Queue { .. }));
         let f = Failure {
-            hint: Some(Duration::from_millis(19_001)),
+            hint: Some(Duration::from_secs(19)),
             ..failure()
         };
         assert_eq!(

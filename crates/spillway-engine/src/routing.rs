@@ -11,19 +11,23 @@ use std::time::Duration;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
-/// Channels that speak `format` and serve `model`, in a weighted random order (A4, D1:
-/// together they are the request's channel group).
+/// Channels that speak `format` and serve `model` (A4, D1: together they are the
+/// request's channel group): highest priority tier first, a weighted random order within
+/// each tier (D4).
 pub fn candidates(state: &AppState, format: Format, model: &str) -> Vec<Arc<ChannelRt>> {
     let mut rng = rand::rng();
-    let mut c: Vec<(f64, &Arc<ChannelRt>)> = state
+    let mut c: Vec<(i32, f64, &Arc<ChannelRt>)> = state
         .channels
         .iter()
         .filter(|c| c.cfg.format == format && c.cfg.serves(model))
         // Efraimidis–Spirakis: sorting by u^(1/w) draws a weighted order without replacement.
-        .map(|c| (rng.random::<f64>().powf(1.0 / f64::from(c.cfg.weight.max(1))), c))
+        .map(|c| {
+            let key = rng.random::<f64>().powf(1.0 / f64::from(c.cfg.weight.max(1)));
+            (c.cfg.priority, key, c)
+        })
         .collect();
-    c.sort_by(|a, b| b.0.total_cmp(&a.0));
-    c.into_iter().map(|(_, c)| c.clone()).collect()
+    c.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.total_cmp(&a.1)));
+    c.into_iter().map(|(_, _, c)| c.clone()).collect()
 }
 
 /// Held while a request waits for capacity; its drop ends the wait, however it ends

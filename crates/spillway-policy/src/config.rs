@@ -62,6 +62,8 @@ struct RawChannel {
     #[serde(default)]
     weight: Option<S<u32>>,
     #[serde(default)]
+    priority: Option<S<i32>>,
+    #[serde(default)]
     timeout_ms: Option<S<u64>>,
 }
 
@@ -128,6 +130,9 @@ pub struct Channel {
     pub models: Vec<String>,
     pub max_concurrency: u32,
     pub weight: u32,
+    /// Tiers: a request tries the channels of the highest priority first (primary and
+    /// backup channels); `weight` spreads traffic within a tier (D4). Default 0.
+    pub priority: i32,
     pub timeout_ms: Option<u64>,
 }
 
@@ -141,6 +146,7 @@ impl std::fmt::Debug for Channel {
             .field("models", &self.models)
             .field("max_concurrency", &self.max_concurrency)
             .field("weight", &self.weight)
+            .field("priority", &self.priority)
             .finish()
     }
 }
@@ -456,6 +462,7 @@ impl RawConfig {
                 models: c.models.value.clone(),
                 max_concurrency,
                 weight,
+                priority: c.priority.as_ref().map_or(0, |p| p.value),
                 timeout_ms: c.timeout_ms.as_ref().map(|t| t.value),
             });
         }
