@@ -1,5 +1,8 @@
 """The official SDKs work unchanged through the gateway: only base URL and key change (A1)."""
 
+import threading
+import time
+
 import anthropic
 import httpx
 import openai
@@ -169,3 +172,78 @@ def test_model_lists(gateway):
     assert [m.id for m in an(gateway).models.list()] == [MODELS["anthropic"]]
     r = httpx.get(f"{gateway.url}/v1beta/models", headers={"x-goog-api-key": gateway.key})
     assert r.json()["models"][0]["name"] == f"models/{MODELS['gemini']}"
+
+
+# --- How the SDKs meet the gateway's retry signals (A8, B2, C2, D7) ------------------------------
+
+def requests_in_ledger(gw):
+    with gw.db() as con:
+        return con.execute("SELECT count(*) FROM requests").fetchone()[0]
+
+
+def test_sdks_see_the_key_limit_as_their_rate_limit_error(gateway_factory):
+    # spec: B2, A8
+    gw = gateway_factory(key_yaml="    rpm: 1")
+    oa(gw).chat.completions.create(model=MODELS["openai"], messages=[{"role": "user", "content": "hi"}])
+    try:
+        oa(gw).chat.completions.create(model=MODELS["openai"], messages=[{"role": "user", "content": "hi"}])
+        raise AssertionError("expected a rate-limit error")
+    except openai.RateLimitError as e:
+        assert e.status_code == 429
+        assert "This API key has reached its rate or concurrency limit." in str(e)
+        assert 50 <= int(e.response.headers["retry-after"]) <= 60
+    try:
+        an(gw).messages.create(model=MODELS["anthropic"], max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+        raise AssertionError("expected a rate-limit error")
+    except anthropic.RateLimitError as e:
+        assert e.status_code == 429 and e.body["error"]["type"] == "rate_limit_error"
+
+
+def test_sdks_honour_retry_after_from_a_busy_gateway(gateway_factory):
+    # spec: C2, A8
+    gw = gateway_factory(max_concurrency=1, extra_yaml="capacity_wait_ms: 200")
+    ch = gw.channel("openai")
+    gw.sim.set(ch, latency_ms=900)
+    held = threading.Thread(target=lambda: oa(gw).chat.completions.create(
+        model=MODELS["openai"], messages=[{"role": "user", "content": "hold"}]))
+    held.start()
+    deadline = time.monotonic() + 5
+    while gw.sim.stats(ch)["in_flight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=gw.key, max_retries=3)
+    t = time.monotonic()
+    comp = client.chat.completions.create(model=MODELS["openai"], messages=[{"role": "user", "content": "hi"}])
+    took = time.monotonic() - t
+    held.join(timeout=30)
+    assert comp.choices[0].message.content
+    # The first try met a full channel: 429 with `retry-after: 1`, which the SDK waited out.
+    assert took >= 1.0, took
+    with gw.db() as con:
+        busy = con.execute("SELECT count(*) FROM requests WHERE error_class = 'capacity_busy'").fetchone()[0]
+    assert busy >= 1
+    assert gw.calls("openai") == 2, "the refused try never reached the provider"
+
+
+def test_sdks_do_not_retry_when_the_gateway_says_it_is_futile(gateway):
+    # spec: A8, E2
+    for fmt in ("openai", "anthropic"):
+        gateway.sim.set(gateway.channel(fmt), fault={"kind": "status", "status": 418})
+    before = requests_in_ledger(gateway)
+    client = openai.OpenAI(base_url=gateway.url + "/v1", api_key=gateway.key, max_retries=2)
+    try:
+        client.chat.completions.create(model=MODELS["openai"], messages=[{"role": "user", "content": "hi"}])
+        raise AssertionError("expected an error")
+    except openai.APIStatusError as e:
+        assert e.status_code == 502 and e.response.headers["x-should-retry"] == "false"
+    aclient = anthropic.Anthropic(base_url=gateway.url, api_key=gateway.key, max_retries=2)
+    try:
+        aclient.messages.create(model=MODELS["anthropic"], max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+        raise AssertionError("expected an error")
+    except anthropic.APIStatusError as e:
+        assert e.status_code == 502
+    # One request each: without `x-should-retry: false` each SDK would have sent three.
+    deadline = time.monotonic() + 3
+    while requests_in_ledger(gateway) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert requests_in_ledger(gateway) == before + 2
+    assert gateway.calls("openai") == 1 and gateway.calls("anthropic") == 1
