@@ -14,7 +14,7 @@ const root = resolve(here, '..', '..')
 const BIN = process.env.SPILLWAY_BIN ?? join(root, 'target', 'debug', 'spillway')
 const SHOTS = join(root, 'docs', 'screenshots')
 
-let gateway, browser, url, demoKey, adminToken
+let gateway, browser, url, demoKey, adminToken, simUrl
 
 function readLine(proc, prefix, timeoutMs = 20_000) {
   return new Promise((ok, fail) => {
@@ -55,8 +55,10 @@ before(async () => {
   gateway.stderr.on('data', () => {})
   const listening = readLine(gateway, 'spillway listening on ')
   const key = readLine(gateway, 'demo key (shown once): ')
+  const simLine = readLine(gateway, 'simulated providers: ')
   url = await listening
   demoKey = await key
+  simUrl = (await simLine).split(' ')[0]
   adminToken = readFileSync(join(data, 'admin-token'), 'utf8').trim()
   browser = await chromium.launch({
     executablePath: '/usr/bin/chromium',
@@ -142,5 +144,61 @@ test('the ledger search finds a request this test made', async () => {
   await p.getByTestId('search').press('Enter')
   await p.waitForTimeout(500)
   await p.screenshot({ path: join(SHOTS, 'ledger-browser.png') })
+  await p.context().close()
+})
+
+async function setSim(channel, behavior) {
+  const r = await fetch(`${simUrl}/_control/channels/${channel}`, {
+    method: 'PUT', headers: { 'content-type': 'application/json' }, body: JSON.stringify(behavior),
+  })
+  assert.equal(r.status, 200)
+}
+
+test('failover shows in the route table, the channel table and the request detail', async () => {
+  // spec: D2, D6, E2, F2
+  // Every call to the primary fails with a 503: requests that try it first fail over.
+  await setSim('openai-sim', { latency_ms: 50, fault: { kind: 'status', status: 503 } })
+  let failedOver = null
+  for (let i = 0; i < 40 && !failedOver; i++) {
+    const clientId = `e2e-failover-${Date.now()}-${i}`
+    const r = await fetch(`${url}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { Authorization: `Bearer ${demoKey}`, 'content-type': 'application/json', 'x-client-request-id': clientId },
+      body: JSON.stringify({ model: 'gpt-4o-mini', messages: [{ role: 'user', content: 'fail over please' }] }),
+    })
+    assert.equal(r.status, 200)
+    if (r.headers.get('x-spillway-attempts') === '2') failedOver = clientId
+  }
+  assert.ok(failedOver, 'some request tried the primary first')
+  // A 429 with a long wait hint paces the Gemini primary.
+  await setSim('gemini-sim', { latency_ms: 50, fault: { kind: 'status', status: 429, retry_after_s: 60 } })
+  await setSim('openai-sim', { latency_ms: 50 })
+
+  const p = await page()
+  await p.goto(`${url}/#token=${adminToken}`)
+  await p.getByTestId('tile-rps').waitFor()
+  await until('the error mix to show overloads', async () => /overload/.test(await p.getByTestId('routes').textContent()))
+  const gemini = p.getByTestId('channel-gemini-sim')
+  await until('the paced channel', async () => /paced/.test(await gemini.textContent()))
+  assert.match(await gemini.textContent(), /back in \d/)
+  await p.waitForTimeout(1200)
+  await p.screenshot({ path: join(SHOTS, 'overview-failover-browser.png') })
+  // The operator puts it back once the provider recovered.
+  await setSim('gemini-sim', { latency_ms: 50 })
+  p.once('dialog', (d) => d.accept())
+  await gemini.getByTestId('restore').click()
+  await until('the channel to be ready', async () => /ready/.test(await gemini.getByTestId('channel-rotation').textContent()))
+
+  await p.keyboard.press('2')
+  await p.getByTestId('search').fill(failedOver)
+  await p.getByTestId('search').press('Enter')
+  await until('the failed-over request', async () => (await p.getByTestId('results').locator('tbody tr').count()) === 1)
+  await p.getByTestId('results').locator('tbody tr').first().click()
+  const detail = await p.getByTestId('detail').textContent()
+  assert.match(detail, /Succeeded on attempt 2/)
+  assert.match(detail, /#1 on openai-sim: overload \(HTTP 503\)/)
+  assert.match(detail, /failed over to another channel/)
+  assert.match(detail, /#2 on openai-sim-b: success/)
+  await p.screenshot({ path: join(SHOTS, 'ledger-failover-browser.png') })
   await p.context().close()
 })

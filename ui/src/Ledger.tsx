@@ -3,7 +3,7 @@ import { useEffect, useMemo, useRef, useState } from 'react'
 import { getRequest, searchRequests, type Connection } from './api'
 import type { RequestState } from './bindings/RequestState'
 import type { Search } from './bindings/Search'
-import { count, ms, since, time } from './format'
+import { count, decision, ms, since, time } from './format'
 
 const STATES: RequestState[] = ['received', 'calling_api', 'api_completed', 'side_effect_pending', 'done', 'failed', 'unknown']
 
@@ -123,12 +123,13 @@ function Detail({ conn, id, onClose }: { conn: Connection; id: string; onClose: 
     ['Tokens in / out', `${r.input_tokens ?? '—'} / ${r.output_tokens ?? '—'}${r.cached_input_tokens ? ` (${r.cached_input_tokens} cached)` : ''}`],
     ['Cost', r.cost_usd === null ? 'unknown' : `$${r.cost_usd.toFixed(4)}`],
     ['Received', time(r.received_at)], ['Queued', r.queued_ms === null ? 'no wait' : ms(r.queued_ms)],
+    ...(r.next_ready_at ? [['Next attempt at', time(r.next_ready_at)] as [string, string]] : []),
     ['First token', since(r.received_at, r.first_token_at)], ['Finished', since(r.received_at, r.finished_at)],
   ]
   return (
     <aside className="detail" data-testid="detail">
       <header>
-        <h2>{r.attempts > 1 ? `Succeeded on attempt ${r.attempts}` : 'Request'}</h2>
+        <h2>{r.attempts > 1 ? (r.state === 'done' ? `Succeeded on attempt ${r.attempts}` : `Failed after ${r.attempts} attempts`) : 'Request'}</h2>
         <button onClick={onClose} aria-label="Close detail">✕</button>
       </header>
       <dl>{rows.map(([k, v]) => <div key={k}><dt>{k}</dt><dd className={k.endsWith('id') ? 'mono' : ''}>{v}</dd></div>)}</dl>
@@ -140,6 +141,7 @@ function Detail({ conn, id, onClose }: { conn: Connection; id: string; onClose: 
               <strong>#{a.attempt_no}</strong> on <code>{a.channel}</code>: {a.error_class}
               {a.http_status ? ` (HTTP ${a.http_status})` : ''}{a.provider_error_type ? `, ${a.provider_error_type}` : ''}
               {a.retry_after_ms !== null ? `, wait hint ${ms(a.retry_after_ms)}` : ''}
+              {a.decision && <div data-testid="decision">→ {decision(a.decision, a.decision_reason, a.delay_ms)}</div>}
               <div className="muted">first byte {since(a.started_at, a.first_byte_at)}, total {since(a.started_at, a.finished_at)}
                 {a.message ? ` — ${a.message}` : ''}</div>
             </li>

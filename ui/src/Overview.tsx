@@ -1,7 +1,8 @@
-import { useMemo } from 'react'
-import type { Connection } from './api'
+import { useMemo, useState } from 'react'
+import { restoreChannel, type Connection } from './api'
+import type { ChannelView } from './bindings/ChannelView'
 import { Chart } from './Chart'
-import { count, ms, pct, rate, usd } from './format'
+import { count, errorMix, ms, pct, rate, usd } from './format'
 import { useLive } from './useLive'
 
 export function OverviewView({ conn }: { conn: Connection }) {
@@ -61,19 +62,24 @@ export function OverviewView({ conn }: { conn: Connection }) {
         <table className="grid" data-testid="routes">
           <thead>
             <tr>
-              <th>Provider</th><th>Model</th><th>Owner</th><th className="num">In flight</th><th className="num">Queued</th>
+              <th>Provider</th><th>Model</th><th>Owner</th><th className="num">In flight</th>
+              <th className="num" title="Waiting for channel capacity (or a paced channel) right now">Queued</th>
+              <th className="num" title="Requests that had to wait for capacity since start: count, mean and longest wait">Waited</th>
               <th className="num">Requests</th><th className="num" title="Succeeded ÷ finished">Success</th>
-              <th className="num" title="Upstream attempts ÷ requests (retry amplification)">Attempts/req</th><th className="num">Cost</th>
+              <th className="num" title="Upstream attempts ÷ requests (retry amplification)">Attempts/req</th>
+              <th title="Failed upstream attempts by class since start, retried or not">Errors by class</th><th className="num">Cost</th>
             </tr>
           </thead>
           <tbody>
             {overview.routes.map((r) => (
               <tr key={`${r.provider}/${r.model}/${r.owner}`}>
                 <td>{r.provider}</td><td>{r.model}</td><td>{r.owner || '—'}</td>
-                <td className="num">{count(r.in_flight)}</td><td className="num">{count(r.queued)}</td>
+                <td className="num">{count(r.in_flight)}</td><td className="num" data-testid="route-queued">{count(r.queued)}</td>
+                <td className="num" data-testid="route-waited">{r.waited ? `${count(r.waited)} · ${ms(r.wait_ms_total / r.waited)} avg · ${ms(r.wait_ms_max)} max` : '—'}</td>
                 <td className="num">{count(r.requests)}</td>
                 <td className="num">{pct(r.requests ? r.succeeded / r.requests : null)}</td>
                 <td className="num">{r.requests ? (r.attempts / r.requests).toFixed(2) : '—'}</td>
+                <td data-testid="route-errors">{errorMix(r.errors_by_class)}</td>
                 <td className="num">{r.cost_unknown === r.requests ? 'unknown' : usd(r.cost_usd, r.cost_unknown)}</td>
               </tr>
             ))}
@@ -83,21 +89,60 @@ export function OverviewView({ conn }: { conn: Connection }) {
       <h2>Channels</h2>
       <table className="grid" data-testid="channels">
         <thead>
-          <tr><th>Channel</th><th>Format</th><th>Upstream</th><th>Models</th><th className="num">In flight / cap</th><th>State</th></tr>
+          <tr>
+            <th>Channel</th><th>Format</th><th>Upstream</th><th>Models</th><th className="num">In flight / cap</th>
+            <th title="ready: takes new work · paced: the provider asked for a pause (Retry-After or reset) · ejected: credential or quota refused">Rotation</th>
+            <th title="The provider's own rate-limit headers: what is left in the current window">Provider room</th><th />
+          </tr>
         </thead>
         <tbody>
-          {overview.channels.map((c) => (
-            <tr key={c.name}>
-              <td>{c.name}</td><td>{c.format}</td>
-              <td title={c.has_credential ? 'calls carry this channel’s provider key' : 'no provider key'}>{c.base_url}</td>
-              <td>{c.models.join(', ')}</td>
-              <td className="num">{c.in_flight} / {c.max_concurrency}</td>
-              <td><span className={c.state === 'ok' ? 'pill ok' : 'pill bad'}>{c.state}</span></td>
-            </tr>
-          ))}
+          {overview.channels.map((c) => <ChannelRow key={c.name} c={c} conn={conn} />)}
         </tbody>
       </table>
     </section>
+  )
+}
+
+function ChannelRow({ c, conn }: { c: ChannelView; conn: Connection }) {
+  const [busy, setBusy] = useState(false)
+  const [err, setErr] = useState<string | null>(null)
+  const h = c.health
+  const pill = h.state === 'ready' ? 'pill ok' : h.state === 'paced' ? 'pill warn' : 'pill bad'
+  const full = c.in_flight >= c.max_concurrency
+  const room = [
+    h.remaining_requests !== null ? `${count(h.remaining_requests)} req` : null,
+    h.remaining_tokens !== null ? `${count(h.remaining_tokens)} tok` : null,
+  ].filter(Boolean)
+  const restore = async () => {
+    if (!window.confirm(`Put channel ${c.name} back into rotation? New requests will be sent to it again; if its credential or quota is still refused it will be ejected again on the next failure.`)) return
+    setBusy(true)
+    setErr(null)
+    try {
+      await restoreChannel(conn, c.name)
+    } catch (e) {
+      setErr((e as Error).message)
+    } finally {
+      setBusy(false)
+    }
+  }
+  return (
+    <tr data-testid={`channel-${c.name}`}>
+      <td>{c.name}</td><td>{c.format}</td>
+      <td title={c.has_credential ? 'calls carry this channel’s provider key' : 'no provider key'}>{c.base_url}</td>
+      <td>{c.models.join(', ')}</td>
+      <td className={full ? 'num warn-text' : 'num'} title={full ? 'At its cap: new requests go to another channel or wait' : undefined}>{c.in_flight} / {c.max_concurrency}</td>
+      <td data-testid="channel-rotation">
+        <span className={pill}>{h.state}</span>
+        {h.back_in_ms !== null && <span className="muted"> back in {ms(h.back_in_ms)}</span>}
+        {h.state === 'ejected' && h.back_in_ms === null && <span className="muted"> until restored</span>}
+        {h.reason && <div className="muted small">{h.reason}</div>}
+      </td>
+      <td className="num">{room.length ? room.join(' · ') : '—'}</td>
+      <td>
+        {h.state !== 'ready' && <button onClick={restore} disabled={busy} data-testid="restore">Restore</button>}
+        {err && <div role="alert" className="error small">{err}</div>}
+      </td>
+    </tr>
   )
 }
 

@@ -1,5 +1,6 @@
 // The admin API client: every call carries the admin token; live updates come over a
 // fetch-read event stream (EventSource cannot send an Authorization header).
+import type { ChannelView } from './bindings/ChannelView'
 import type { Overview } from './bindings/Overview'
 import type { Page } from './bindings/Page'
 import type { RequestDetail } from './bindings/RequestDetail'
@@ -52,6 +53,10 @@ export function searchRequests(c: Connection, s: Search): Promise<Page> {
 
 export const getRequest = (c: Connection, id: string) =>
   call<RequestDetail>(c, `/admin/v1/requests/${encodeURIComponent(id)}`)
+
+/** E2: put an ejected or paced channel back into rotation. */
+export const restoreChannel = (c: Connection, name: string) =>
+  call<ChannelView>(c, `/admin/v1/channels/${encodeURIComponent(name)}/restore`, { method: 'POST' })
 
 export type LiveEvent =
   | { kind: 'overview'; data: Overview }

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest'
-import { count, ms, pct, rate, usd } from './format'
+import { count, decision, errorMix, ms, pct, rate, usd } from './format'
 
 describe('units', () => {
   it('formats latency with units', () => {
@@ -25,5 +25,21 @@ describe('units', () => {
     expect(rate(0.25)).toBe('0.3 req/s')
     expect(rate(1234.4)).toBe('1234 req/s')
     expect(count(1234567)).toBe('1,234,567')
+  })
+})
+
+describe('failover words', () => {
+  it('orders the error mix biggest first and says none when clean', () => {
+    expect(errorMix({})).toBe('none')
+    expect(errorMix({ rate_limit: 1, server_error: 3, overload: 0 })).toBe('server error 3 · rate limit 1')
+  })
+  it('says what happened after each attempt', () => {
+    expect(decision('failover', null, 0)).toBe('failed over to another channel')
+    expect(decision('retry', null, 0)).toBe('retried at once')
+    expect(decision('retry', null, 850)).toBe('retried after 850 ms')
+    expect(decision('wait', 'wait_hint_over_2s', 3000)).toBe('queued for 3.00 s (wait hint over 2 s), then retried')
+    expect(decision('fail_closed', 'retry_after_exceeds_deadline', null)).toBe('stopped (retry after exceeds deadline)')
+    expect(decision('passed_through', 'not_retryable', null)).toBe("provider's answer returned as sent (not retryable)")
+    expect(decision(null, null, null)).toBe('')
   })
 })

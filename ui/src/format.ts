@@ -44,3 +44,35 @@ export function since(from: number | null | undefined, to: number | null | undef
   if (!from || !to) return '—'
   return ms(to - from)
 }
+
+/** Failed attempts by class, biggest first, as `server_error 3 · rate_limit 1`. */
+export function errorMix(byClass: { [key in string]?: number }): string {
+  const parts = Object.entries(byClass)
+    .filter((e): e is [string, number] => typeof e[1] === 'number' && e[1] > 0)
+    .sort((a, b) => b[1] - a[1] || a[0].localeCompare(b[0]))
+  if (parts.length === 0) return 'none'
+  return parts.map(([k, v]) => `${k.replace(/_/g, ' ')} ${count(v)}`).join(' · ')
+}
+
+/** What happened after an attempt, in words (F2 decisions). */
+export function decision(d: string | null, reason: string | null, delayMs: number | null): string {
+  const why = reason ? ` (${reason.replace(/_/g, ' ')})` : ''
+  switch (d) {
+    case null:
+      return ''
+    case 'done':
+      return 'answered'
+    case 'failover':
+      return 'failed over to another channel'
+    case 'retry':
+      return delayMs ? `retried after ${ms(delayMs)}` : 'retried at once'
+    case 'wait':
+      return `queued for ${ms(delayMs)} (wait hint over 2 s), then retried`
+    case 'fail_closed':
+      return `stopped${why}`
+    case 'passed_through':
+      return `provider's answer returned as sent${why}`
+    default:
+      return d + why
+  }
+}

@@ -153,6 +153,13 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let mut traffic = None;
     if let Some(e) = &demo {
         announce(&format!("demo key (shown once): {}", e.demo_key));
+        if let Some(sim) = &e.sim {
+            announce(&format!(
+                "simulated providers: {} (inject faults: PUT {}/_control/channels/<channel>)",
+                sim.url(),
+                sim.url()
+            ));
+        }
         for c in &e.config.channels {
             tracing::info!(channel = %c.name, format = %c.format, upstream = if c.api_key.is_some() { "real provider" } else { "simulator" }, "channel ready");
         }

@@ -9,7 +9,7 @@ use spillway_policy::{
     Channel, Config, DEFAULT_ATTEMPT_TIMEOUT_MS, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES, Key, Owner, hash_secret,
 };
 use spillway_sim::traffic::Target;
-use spillway_sim::{Behavior, Scenario, SimHandle};
+use spillway_sim::{Behavior, Fault, RandomFault, Scenario, SimHandle};
 use spillway_wire::Format;
 use std::collections::BTreeMap;
 
@@ -51,6 +51,28 @@ const PROVIDERS: &[Provider] = &[
     },
 ];
 
+/// What the demo's primary channels inject: 3 % overload, 1 % pacing with a 2 s hint.
+pub fn demo_faults() -> Vec<RandomFault> {
+    let status = |status: u16, retry_after_s: Option<u64>| Fault::Status {
+        status,
+        error: None,
+        retry_after_s,
+        retry_after_date_s: None,
+        retry_delay: None,
+        message: None,
+    };
+    vec![
+        RandomFault {
+            fault: status(503, None),
+            probability: 0.03,
+        },
+        RandomFault {
+            fault: status(429, Some(2)),
+            probability: 0.01,
+        },
+    ]
+}
+
 /// Starts demo traffic against the gateway at `url`, to the simulated models only.
 pub fn demo_traffic(url: String, e: &Embedded, rps: f64) -> tokio::task::JoinHandle<()> {
     spillway_sim::traffic::spawn(url, e.demo_key.clone(), e.simulated.clone(), rps)
@@ -68,15 +90,20 @@ pub async fn build(env: &dyn Fn(&str) -> Option<String>) -> Result<Embedded> {
         let mut channels = BTreeMap::new();
         for p in &simulated_formats {
             // Latency and token pace of a quick real model, so charts look like real traffic.
-            channels.insert(
-                format!("{}-sim", p.format),
-                Behavior {
-                    latency_ms: 120,
-                    tokens_per_second: Some(80.0),
-                    output_tokens: 24,
-                    ..Behavior::default()
-                },
-            );
+            let healthy = Behavior {
+                latency_ms: 120,
+                tokens_per_second: Some(80.0),
+                output_tokens: 24,
+                ..Behavior::default()
+            };
+            // The primary has a bad day now and then: a few 503s and an occasional 429 with
+            // a wait hint, which the gateway absorbs by failing over (D2, D6).
+            let flaky = Behavior {
+                random_faults: demo_faults(),
+                ..healthy.clone()
+            };
+            channels.insert(format!("{}-sim", p.format), flaky);
+            channels.insert(format!("{}-sim-b", p.format), healthy);
         }
         let addr = "127.0.0.1:0".parse().map_err(|_| crate::Error::NoDataDir)?;
         Some(spillway_sim::start(addr, Scenario { channels }).await?)
@@ -98,19 +125,23 @@ pub async fn build(env: &dyn Fn(&str) -> Option<String>) -> Result<Embedded> {
                 timeout_ms: None,
             }),
             None => {
-                let name = format!("{}-sim", p.format);
-                let base_url = sim.as_ref().map(|s| s.channel_url(&name)).unwrap_or_default();
-                channels.push(Channel {
-                    name,
-                    format: p.format,
-                    base_url,
-                    api_key: None,
-                    models: p.sim_models.iter().map(|m| m.to_string()).collect(),
-                    max_concurrency: 64,
-                    weight: 1,
-                    priority: 0,
-                    timeout_ms: None,
-                });
+                // A primary and a backup in one tier (weights 3:1), so demo traffic shows
+                // spreading and failover; both start healthy (faults are the scenario's).
+                for (suffix, weight) in [("sim", 3), ("sim-b", 1)] {
+                    let name = format!("{}-{suffix}", p.format);
+                    let base_url = sim.as_ref().map(|s| s.channel_url(&name)).unwrap_or_default();
+                    channels.push(Channel {
+                        name,
+                        format: p.format,
+                        base_url,
+                        api_key: None,
+                        models: p.sim_models.iter().map(|m| m.to_string()).collect(),
+                        max_concurrency: 64,
+                        weight,
+                        priority: 0,
+                        timeout_ms: None,
+                    });
+                }
                 simulated.extend(p.sim_models.iter().map(|m| Target {
                     format: p.format,
                     model: m.to_string(),

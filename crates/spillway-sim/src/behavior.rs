@@ -43,8 +43,10 @@ pub struct Behavior {
     pub output_tokens: u32,
     /// `x-ratelimit-*` (OpenAI) or `anthropic-ratelimit-*` headers on every answer.
     pub ratelimit: Option<RateLimitHeaders>,
-    /// Applied to every call once `script` is used up.
+    /// Applied to every call once `script` is used up (and no random fault was drawn).
     pub fault: Option<Fault>,
+    /// Faults drawn at random once `script` is used up: each hits its share of calls.
+    pub random_faults: Vec<RandomFault>,
     /// Faults for the next calls, in order: each step covers `times` calls.
     pub script: Vec<Step>,
 }
@@ -57,6 +59,7 @@ impl Default for Behavior {
             output_tokens: 12,
             ratelimit: None,
             fault: None,
+            random_faults: Vec::new(),
             script: Vec::new(),
         }
     }
@@ -68,6 +71,15 @@ pub struct Step {
     pub fault: Fault,
     #[serde(default = "one")]
     pub times: u32,
+}
+
+/// A fault that hits a share of calls, e.g. 10 % of calls get a 503.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RandomFault {
+    pub fault: Fault,
+    /// 0–1.
+    pub probability: f64,
 }
 
 fn one() -> u32 {

@@ -12,7 +12,7 @@ mod responses;
 mod server;
 pub mod traffic;
 
-pub use behavior::{Behavior, ChannelStats, ErrorFlavor, Fault, RateLimitHeaders, Scenario, Step};
+pub use behavior::{Behavior, ChannelStats, ErrorFlavor, Fault, RandomFault, RateLimitHeaders, Scenario, Step};
 pub use server::{SimHandle, start};
 
 #[derive(Debug, thiserror::Error)]

@@ -49,6 +49,16 @@ impl ChannelState {
             }
             return step.fault;
         }
+        if !self.behavior.random_faults.is_empty() {
+            // One draw per call; the faults' shares stack, the rest of the range is `fault`.
+            let mut draw: f64 = rand::random();
+            for r in &self.behavior.random_faults {
+                if draw < r.probability {
+                    return r.fault.clone();
+                }
+                draw -= r.probability;
+            }
+        }
         self.behavior.fault.clone().unwrap_or(Fault::Ok)
     }
 }

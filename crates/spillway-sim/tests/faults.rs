@@ -2,7 +2,7 @@
 //! on these behaving exactly as scripted.
 
 use serde_json::{Value, json};
-use spillway_sim::{Behavior, ErrorFlavor, Fault, Scenario, Step, start};
+use spillway_sim::{Behavior, ErrorFlavor, Fault, RandomFault, Scenario, Step, start};
 use std::time::{Duration, Instant};
 
 async fn sim() -> spillway_sim::SimHandle {
@@ -65,6 +65,28 @@ async fn script_then_fault_then_counts() {
     let st = s.stats("a");
     assert_eq!((st.calls, st.faults, st.in_flight), (4, 3, 0));
     assert_eq!(s.stats("b").calls, 0, "channels are independent");
+}
+
+#[tokio::test]
+async fn random_faults_hit_their_share() {
+    let s = sim().await;
+    let c = reqwest::Client::new();
+    s.set_behavior(
+        "a",
+        Behavior {
+            random_faults: vec![RandomFault {
+                fault: status(503, None),
+                probability: 0.1,
+            }],
+            ..Behavior::default()
+        },
+    );
+    let codes = futures_seq(&c, &s.channel_url("a"), 2000).await;
+    let failed = codes.iter().filter(|c| **c == 503).count();
+    assert!(codes.iter().all(|c| *c == 200 || *c == 503));
+    // 10 % of 2000: 200 expected, sd ~13.4; 120..280 is six sigma either way.
+    assert!((120..280).contains(&failed), "{failed}");
+    assert_eq!(s.stats("a").faults as usize, failed);
 }
 
 async fn futures_seq(c: &reqwest::Client, base: &str, n: usize) -> Vec<u16> {
