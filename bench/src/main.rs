@@ -48,6 +48,12 @@ struct Args {
     /// Only run the ledger-search benchmark.
     #[arg(long)]
     ledger_only: bool,
+    /// Share of upstream attempts that fail with 503 in the failover scenario (0 skips it).
+    #[arg(long, default_value_t = 0.10)]
+    failover_share: f64,
+    /// Request rate of the failover scenario.
+    #[arg(long, default_value_t = 1000)]
+    failover_rate: u64,
 }
 
 #[derive(Serialize)]
@@ -203,6 +209,23 @@ fn spawn(bin: &PathBuf, args: &[&str], env: &[(&str, &str)], prefix: &str) -> Re
     bail!("{} exited before printing {prefix:?}", bin.display())
 }
 
+/// A simulator control call: PUT `body` when given, else GET.
+async fn sim_control(client: &HttpClient, url: &str, body: Option<&serde_json::Value>) -> Result<serde_json::Value> {
+    let req = match body {
+        Some(b) => hyper::Request::put(url)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(b.to_string())))?,
+        None => hyper::Request::get(url).body(Full::new(Bytes::new()))?,
+    };
+    let resp = client.request(req).await?;
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await?.to_bytes();
+    if !status.is_success() {
+        bail!("simulator control {url}: HTTP {status}");
+    }
+    Ok(serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null))
+}
+
 #[derive(Clone, Copy, PartialEq)]
 enum Mode {
     Whole,
@@ -211,14 +234,19 @@ enum Mode {
 }
 
 fn body(stream: bool) -> Bytes {
-    let v = serde_json::json!({"model": "gpt-4o-mini", "stream": stream,
+    body_for("gpt-4o-mini", stream)
+}
+
+fn body_for(model: &str, stream: bool) -> Bytes {
+    let v = serde_json::json!({"model": model, "stream": stream,
         "messages": [{"role": "user", "content": "Summarise this support ticket in two sentences, please."}]});
     Bytes::from(v.to_string())
 }
 
-/// One request; returns its latency from the moment it is handed to the client, or None
+/// One request; returns its latency from the moment it is handed to the client and the
+/// upstream attempts the gateway reports (`x-spillway-attempts`, 1 when absent), or None
 /// on failure.
-async fn one(client: &HttpClient, url: &str, key: &str, payload: Bytes, mode: Mode) -> Option<Duration> {
+async fn one(client: &HttpClient, url: &str, key: &str, payload: Bytes, mode: Mode) -> Option<(Duration, u64)> {
     let req = hyper::Request::post(url)
         .header("content-type", "application/json")
         .header("authorization", format!("Bearer {key}"))
@@ -229,6 +257,12 @@ async fn one(client: &HttpClient, url: &str, key: &str, payload: Bytes, mode: Mo
     if !resp.status().is_success() {
         return None;
     }
+    let attempts = resp
+        .headers()
+        .get("x-spillway-attempts")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
     let mut body = resp.into_body();
     let mut at = None;
     while let Some(frame) = body.frame().await {
@@ -242,7 +276,7 @@ async fn one(client: &HttpClient, url: &str, key: &str, payload: Bytes, mode: Mo
             at = Some(from.elapsed());
         }
     }
-    Some(at.unwrap_or_else(|| from.elapsed()))
+    Some((at.unwrap_or_else(|| from.elapsed()), attempts))
 }
 
 #[derive(Serialize, Clone)]
@@ -254,15 +288,29 @@ struct Percentiles {
     ok: u64,
     failed: u64,
     achieved_rps: f64,
+    /// Upstream attempts per successful logical request (retry amplification, F5).
+    attempts_per_request: f64,
 }
 
 async fn fixed_rate(client: &HttpClient, url: &str, key: &str, stream: bool, rate: u64, secs: u64) -> Percentiles {
+    fixed_rate_with(client, url, key, body(stream), stream, rate, secs).await
+}
+
+async fn fixed_rate_with(
+    client: &HttpClient,
+    url: &str,
+    key: &str,
+    payload: Bytes,
+    stream: bool,
+    rate: u64,
+    secs: u64,
+) -> Percentiles {
     let mode = if stream { Mode::FirstToken } else { Mode::Whole };
-    let payload = body(stream);
     let hist = Arc::new(std::sync::Mutex::new(
         Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("bounds"),
     ));
     let failed = Arc::new(AtomicU64::new(0));
+    let attempts = Arc::new(AtomicU64::new(0));
     let warmup = rate; // one second
     let total = rate * (secs + 1);
     let start = Instant::now();
@@ -270,18 +318,20 @@ async fn fixed_rate(client: &HttpClient, url: &str, key: &str, stream: bool, rat
     for i in 0..total {
         let scheduled = start + Duration::from_nanos(i * 1_000_000_000 / rate);
         tokio::time::sleep_until(scheduled.into()).await;
-        let (client, url, key, payload, hist, failed) = (
+        let (client, url, key, payload, hist, failed, attempts) = (
             client.clone(),
             url.to_owned(),
             key.to_owned(),
             payload.clone(),
             hist.clone(),
             failed.clone(),
+            attempts.clone(),
         );
         tasks.push(tokio::spawn(async move {
             match one(&client, &url, &key, payload, mode).await {
-                Some(d) if i >= warmup => {
+                Some((d, n)) if i >= warmup => {
                     let _ = hist.lock().map(|mut h| h.record(d.as_micros().max(1) as u64));
+                    attempts.fetch_add(n, Ordering::Relaxed);
                 }
                 Some(_) => {}
                 None => {
@@ -305,6 +355,7 @@ async fn fixed_rate(client: &HttpClient, url: &str, key: &str, stream: bool, rat
         ok: h.len(),
         failed: failed.load(Ordering::Relaxed),
         achieved_rps: h.len() as f64 / secs as f64,
+        attempts_per_request: attempts.load(Ordering::Relaxed) as f64 / h.len().max(1) as f64,
     }
 }
 
@@ -357,6 +408,20 @@ struct Report {
     concurrency: usize,
     ledger_rows: u64,
     ledger_search: Vec<SearchTiming>,
+    failover: Option<FailoverRun>,
+}
+
+/// The failover scenario: two channels serving one model, each failing a share of its
+/// calls with 503 (D2), at a fixed rate.
+#[derive(Serialize)]
+struct FailoverRun {
+    rate_rps: u64,
+    fault_share: f64,
+    /// The same rate on healthy channels, for comparison.
+    healthy: Percentiles,
+    faulty: Percentiles,
+    /// Calls the two faulty channels received ÷ requests sent (warm-up included).
+    upstream_calls_per_request: f64,
 }
 
 fn us(v: u64) -> String {
@@ -388,7 +453,7 @@ async fn main() -> Result<()> {
     std::fs::write(
         &config,
         format!(
-            "listen: 127.0.0.1:0\nledger: sqlite://{}\nchannels:\n  - name: bench\n    format: openai\n    base_url: {sim_url}/bench\n    models: [gpt-4o-mini]\n    max_concurrency: 4096\nkeys:\n  - name: bench\n    owner: bench\n    secret_env: BENCH_KEY\nowners:\n  - name: bench\n    balance_usd: 1000000\n",
+            "listen: 127.0.0.1:0\nledger: sqlite://{}\nchannels:\n  - name: bench\n    format: openai\n    base_url: {sim_url}/bench\n    models: [gpt-4o-mini]\n    max_concurrency: 4096\n  - name: fo-a\n    format: openai\n    base_url: {sim_url}/fo-a\n    models: [bench-failover]\n    max_concurrency: 4096\n  - name: fo-b\n    format: openai\n    base_url: {sim_url}/fo-b\n    models: [bench-failover]\n    max_concurrency: 4096\nkeys:\n  - name: bench\n    owner: bench\n    secret_env: BENCH_KEY\nowners:\n  - name: bench\n    balance_usd: 1000000\n",
             dir.path().join("ledger.db").display()
         ),
     )?;
@@ -429,6 +494,42 @@ async fn main() -> Result<()> {
     );
     let max_d = max_throughput(&client, &direct, key, args.concurrency, args.seconds).await;
     let max_g = max_throughput(&client, &via, key, args.concurrency, args.seconds).await;
+
+    let failover = if args.failover_share > 0.0 {
+        let rate = args.failover_rate;
+        eprintln!(
+            "measuring failover at {rate} req/s with {:.0} % of attempts failing with 503 ...",
+            args.failover_share * 100.0
+        );
+        let payload = body_for("bench-failover", false);
+        let healthy = fixed_rate_with(&client, &via, key, payload.clone(), false, rate, args.seconds).await;
+        let fault = serde_json::json!({"random_faults": [
+            {"fault": {"kind": "status", "status": 503}, "probability": args.failover_share}]});
+        let calls = async |client: &HttpClient| -> Result<u64> {
+            let mut n = 0;
+            for ch in ["fo-a", "fo-b"] {
+                let v = sim_control(client, &format!("{sim_url}/_control/channels/{ch}"), None).await?;
+                n += v["stats"]["calls"].as_u64().unwrap_or(0);
+            }
+            Ok(n)
+        };
+        for ch in ["fo-a", "fo-b"] {
+            sim_control(&client, &format!("{sim_url}/_control/channels/{ch}"), Some(&fault)).await?;
+        }
+        let before = calls(&client).await?;
+        let faulty = fixed_rate_with(&client, &via, key, payload, false, rate, args.seconds).await;
+        let calls = calls(&client).await? - before;
+        let sent = rate * (args.seconds + 1);
+        Some(FailoverRun {
+            rate_rps: rate,
+            fault_share: args.failover_share,
+            upstream_calls_per_request: calls as f64 / sent as f64,
+            healthy,
+            faulty,
+        })
+    } else {
+        None
+    };
 
     println!("\nSpillway gateway overhead (ledger on; direct = the simulator alone)\n");
     println!(
@@ -477,6 +578,30 @@ async fn main() -> Result<()> {
         args.concurrency
     );
 
+    if let Some(f) = &failover {
+        println!(
+            "\nfailover: {} req/s, {:.0} % of attempts fail with 503 on both channels of the model\n",
+            f.rate_rps,
+            f.fault_share * 100.0
+        );
+        println!("| channels | p50 | p90 | p99 | failed | attempts per request |");
+        println!("|---|---|---|---|---|---|");
+        for (name, p) in [("healthy", &f.healthy), ("10 % 503", &f.faulty)] {
+            println!(
+                "| {name} | {} | {} | {} | {} | {:.3} |",
+                us(p.p50_us),
+                us(p.p90_us),
+                us(p.p99_us),
+                p.failed,
+                p.attempts_per_request
+            );
+        }
+        println!(
+            "upstream calls per logical request (simulator's count): {:.3}",
+            f.upstream_calls_per_request
+        );
+    }
+
     let searches = if args.ledger_rows > 0 {
         ledger_search(args.ledger_rows).await?
     } else {
@@ -507,6 +632,7 @@ async fn main() -> Result<()> {
         concurrency: args.concurrency,
         ledger_rows: args.ledger_rows,
         ledger_search: searches,
+        failover,
     };
     std::fs::create_dir_all(&args.out)?;
     let json = serde_json::to_string_pretty(&report)?;
