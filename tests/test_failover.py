@@ -544,3 +544,18 @@ def test_c4_a_client_that_leaves_the_queue_sends_nothing_upstream(gateway_factor
         row = con.execute("SELECT * FROM requests WHERE client_request_id = 'gone-1'").fetchone()
     assert (row["state"], row["error_class"], row["attempts"], row["cost_usd"]) == (
         "failed", "client_disconnected", 0, 0.0)
+
+
+def test_c4_a_client_that_leaves_while_a_retry_waits_stops_the_retry(gateway):
+    # spec: C4, F1
+    ch = gateway.channel("openai")
+    gateway.sim.set(ch, script=[{"fault": status(503, retry_after_s=3)}])
+    with pytest.raises(httpx.TimeoutException):
+        post(gateway, "openai", gateway.key, json=BODIES["openai"], timeout=1.0, headers={"x-client-request-id": "gone-2"})
+    time.sleep(3.0)
+    assert gateway.calls("openai") == 1, "the retry after the wait was never sent"
+    wait_for(lambda: gateway.db().execute(
+        "SELECT 1 FROM requests WHERE client_request_id='gone-2' AND state='failed'").fetchone())
+    with gateway.db() as con:
+        row = con.execute("SELECT * FROM requests WHERE client_request_id = 'gone-2'").fetchone()
+    assert (row["error_class"], row["attempts"], row["http_status"]) == ("client_disconnected", 1, None)

@@ -189,7 +189,9 @@ mod tests {
     #[tokio::test]
     async fn simulated_unless_a_provider_key_is_set() {
         let e = build(&|_| None).await.unwrap();
-        assert_eq!(e.config.channels.len(), 3);
+        // A primary and a backup per simulated provider.
+        assert_eq!(e.config.channels.len(), 6);
+        assert!(e.config.channels.iter().any(|c| c.name == "openai-sim-b"));
         assert!(e.sim.is_some());
         assert!(
             e.config
@@ -204,6 +206,7 @@ mod tests {
             .unwrap();
         let real: Vec<_> = e.config.channels.iter().filter(|c| c.api_key.is_some()).collect();
         assert_eq!(real.len(), 1);
+        assert_eq!(e.config.channels.len(), 5);
         assert_eq!(real[0].base_url, "https://api.anthropic.com");
         assert!(real[0].serves("claude-opus-4-1"));
         assert!(

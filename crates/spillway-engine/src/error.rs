@@ -29,6 +29,9 @@ pub enum GatewayError {
     /// E2: every channel of the group is out of rotation until an operator restores it.
     #[error("No channel serving model `{model}` is in rotation ({detail}). An operator must restore a channel.")]
     NoChannelInRotation { model: String, detail: String },
+    /// The client hung up while its request waited (C4); nobody reads this answer.
+    #[error("The client disconnected while the request waited; nothing more was sent upstream.")]
+    ClientGone,
     #[error("The request ledger is unavailable, so the request was not sent upstream.")]
     LedgerUnavailable,
     #[error("No such endpoint: {method} {path}")]
@@ -58,6 +61,8 @@ impl GatewayError {
             GatewayError::CapacityBusy { .. } | GatewayError::KeyLimited { .. } => ErrorKind::RateLimited,
             GatewayError::NoChannelInRotation { .. } => ErrorKind::Upstream,
             GatewayError::LedgerUnavailable => ErrorKind::Unavailable,
+            // 499 in nginx's sense has no wire name; the answer goes nowhere anyway.
+            GatewayError::ClientGone => ErrorKind::InvalidRequest,
             GatewayError::Upstream { kind, .. } => *kind,
         }
     }
@@ -74,6 +79,7 @@ impl GatewayError {
             GatewayError::KeyLimited { .. } => "key_limited",
             GatewayError::NoChannelInRotation { .. } => "no_channel_in_rotation",
             GatewayError::LedgerUnavailable => "ledger_unavailable",
+            GatewayError::ClientGone => "client_disconnected",
             GatewayError::Upstream { .. } => "upstream",
         }
     }

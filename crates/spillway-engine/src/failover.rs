@@ -16,6 +16,7 @@ use http::request::Parts;
 use spillway_ledger::{AttemptRecord, RequestRecord, RequestState};
 use spillway_wire::{ErrorClass, ErrorKind, Format, ParsedRequest, Signal};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -37,6 +38,9 @@ pub struct Job {
     pub capacity_wait_left: Duration,
     /// B1: the key's concurrency slot, held until the request (stream included) ends.
     pub key_slot: Option<KeySlot>,
+    /// Set when the client has hung up: a request waiting to retry then leaves the queue
+    /// and sends nothing more upstream (C4).
+    pub client_gone: Arc<AtomicBool>,
 }
 
 /// The facts D7 needs about the failures so far.
@@ -167,6 +171,9 @@ pub async fn run(mut job: Job, mut rec: RequestRecord, first: Admitted) -> Respo
         // No channel slot is held while waiting (F1); the deadline bounds the wait.
         tokio::time::sleep(delay).await;
         rec.next_ready_at = None;
+        if job.client_gone.load(Ordering::Relaxed) {
+            return end_with(&st, rec, format, GatewayError::ClientGone, &signal);
+        }
 
         let now = Instant::now();
         let max_wait = job.capacity_wait_left.min(job.deadline.saturating_duration_since(now));
@@ -185,6 +192,10 @@ pub async fn run(mut job: Job, mut rec: RequestRecord, first: Admitted) -> Respo
         )
         .await
         {
+            Ok(a) if job.client_gone.load(Ordering::Relaxed) => {
+                drop(a);
+                return end_with(&st, rec, format, GatewayError::ClientGone, &signal);
+            }
             Ok(a) => {
                 if let Some(w) = a.waited {
                     job.capacity_wait_left = job.capacity_wait_left.saturating_sub(w);
@@ -308,8 +319,12 @@ fn signal_is_channel_fault(s: &Signal) -> bool {
 fn end_with(st: &AppState, mut rec: RequestRecord, format: Format, err: GatewayError, last: &Signal) -> Response {
     let now = now_ms();
     rec.state = RequestState::Failed;
-    rec.http_status = Some(err.kind().status());
-    rec.error_class = Some(last.class.as_str().to_owned());
+    // Nobody receives an answer to a client that left.
+    rec.http_status = (!matches!(err, GatewayError::ClientGone)).then(|| err.kind().status());
+    rec.error_class = Some(match err {
+        GatewayError::ClientGone => err.class().to_owned(),
+        _ => last.class.as_str().to_owned(),
+    });
     rec.error_message = Some(upstream::truncate(format!(
         "{err} (after {} failed attempt(s))",
         rec.attempts

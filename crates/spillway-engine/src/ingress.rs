@@ -21,6 +21,7 @@ use sha2::{Digest, Sha256};
 use spillway_ledger::{RequestRecord, RequestState};
 use spillway_wire::{ErrorKind, Format, parse_request};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The gateway's id for this request, set by [`request_id_layer`] before any handler runs.
@@ -291,6 +292,7 @@ async fn handle(
         }
     };
     abandon.disarm();
+    let client_gone = Arc::new(AtomicBool::new(false));
     let job = Job {
         st: st.clone(),
         format,
@@ -303,7 +305,10 @@ async fn handle(
         tokens,
         deadline,
         key_slot: Some(key_slot),
+        client_gone: client_gone.clone(),
     };
+    // Dropped when the client hangs up (or when the answer is sent, when it no longer matters).
+    let _hang_up = HangUp(client_gone);
 
     // The attempts run in their own task so that a client hanging up mid-call cannot cut
     // the request short halfway: the provider's answer is still read, metered and
@@ -321,6 +326,15 @@ async fn handle(
             }
             .into_response(format)
         }
+    }
+}
+
+/// Tells the attempt loop that nobody is waiting for the answer any more.
+struct HangUp(Arc<AtomicBool>);
+
+impl Drop for HangUp {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 
