@@ -176,3 +176,158 @@ pub async fn admit(
     }
     Err(GatewayError::CapacityBusy { retry_after_s: 1 })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::ChannelRt;
+    use spillway_policy::Channel;
+    use spillway_wire::{ErrorClass, Signal};
+    use tokio::sync::Semaphore;
+
+    fn channel(name: &str, cap: u32) -> Arc<ChannelRt> {
+        Arc::new(ChannelRt {
+            cfg: Channel {
+                name: name.into(),
+                format: Format::OpenAi,
+                base_url: "http://127.0.0.1:9".into(),
+                api_key: None,
+                models: vec!["*".into()],
+                max_concurrency: cap,
+                weight: 1,
+                priority: 0,
+                timeout_ms: None,
+            },
+            permits: Arc::new(Semaphore::new(cap as usize)),
+            health: Default::default(),
+        })
+    }
+
+    fn no_wait() -> WaitGuard {
+        WaitGuard(None)
+    }
+
+    fn paced(c: &ChannelRt, ms: u64) {
+        let mut s = Signal::transport(ErrorClass::RateLimit, "429");
+        s.http_status = Some(429);
+        s.retry_after_ms = Some(ms);
+        c.health.observe_failure(&s, &c.cfg.name, Instant::now());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn c1_a_full_channel_sends_the_request_to_the_next() {
+        // spec: C1
+        let (a, b) = (channel("a", 1), channel("b", 1));
+        let group = [a.clone(), b.clone()];
+        let first = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
+            .await
+            .ok()
+            .unwrap();
+        assert_eq!(first.channel.cfg.name, "a");
+        let second = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
+            .await
+            .ok()
+            .unwrap();
+        assert_eq!(second.channel.cfg.name, "b");
+        assert!(second.waited.is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn c2_waits_for_the_first_slot_to_free_then_gives_up() {
+        // spec: C2
+        let a = channel("a", 1);
+        let group = [a.clone()];
+        let held = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
+            .await
+            .ok()
+            .unwrap();
+        let release = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            drop(held);
+        });
+        let t = Instant::now();
+        let waited = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
+            .await
+            .ok()
+            .unwrap();
+        assert_eq!(waited.waited, Some(Duration::from_secs(3)));
+        assert_eq!(t.elapsed(), Duration::from_secs(3));
+        release.await.unwrap();
+        // Nothing frees within the allowance: 429 after exactly the allowance.
+        let t = Instant::now();
+        let err = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(err, GatewayError::CapacityBusy { retry_after_s: 1 }),
+            "{err:?}"
+        );
+        assert_eq!(t.elapsed(), Duration::from_secs(10));
+        drop(waited);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn d6_a_paced_group_is_waited_for_when_the_hint_fits() {
+        // spec: D6, C2, F1
+        let a = channel("a", 4);
+        paced(&a, 2_500);
+        let group = [a.clone()];
+        let t = Instant::now();
+        let got = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
+            .await
+            .ok()
+            .unwrap();
+        assert_eq!(t.elapsed(), Duration::from_millis(2_500));
+        assert_eq!(got.waited, Some(Duration::from_millis(2_500)));
+        drop(got);
+        // A hint past the allowance is refused at once, naming the hint.
+        paced(&a, 30_000);
+        let t = Instant::now();
+        let err = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            matches!(err, GatewayError::CapacityBusy { retry_after_s: 30 }),
+            "{err:?}"
+        );
+        assert_eq!(t.elapsed(), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn d1_untried_channels_come_first() {
+        // spec: D1
+        let (a, b) = (channel("a", 4), channel("b", 4));
+        let group = [a.clone(), b.clone()];
+        let got = admit(&group, "m", 1, &["a".to_owned()], Duration::ZERO, no_wait)
+            .await
+            .ok()
+            .unwrap();
+        assert_eq!(got.channel.cfg.name, "b");
+        let s = survey(&group, 1, &["a".to_owned(), "b".to_owned()], Instant::now());
+        assert!(!s.untried_ready);
+        assert_eq!(
+            s.ready.len(),
+            2,
+            "tried channels may be retried when nothing else is left"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn e2_an_ejected_group_has_no_channel_left() {
+        // spec: E2
+        let a = channel("a", 4);
+        let mut s = Signal::transport(ErrorClass::Auth, "401");
+        s.http_status = Some(401);
+        a.health.observe_failure(&s, "a", Instant::now());
+        let err = admit(&[a], "m", 1, &[], Duration::from_secs(10), no_wait)
+            .await
+            .err()
+            .unwrap();
+        match err {
+            GatewayError::NoChannelInRotation { detail, .. } => assert!(detail.contains("credential"), "{detail}"),
+            e => panic!("{e:?}"),
+        }
+    }
+}
