@@ -433,10 +433,7 @@ def test_b2_concurrency_per_key_waits_two_seconds_then_refuses(gateway_factory):
     # spec: B1, B2
     gw = gateway_factory(key_yaml="    max_concurrency: 1")
     ch = gw.channel("openai")
-    gw.sim.set(ch, latency_ms=3500)
-    held = threading.Thread(target=lambda: post(gw, "openai", gw.key, json=BODIES["openai"], timeout=30))
-    held.start()
-    wait_for(lambda: gw.sim.stats(ch)["in_flight"] == 1)
+    held = occupy(gw, "openai", ch, 3500)
     t = time.monotonic()
     r = post(gw, "openai", gw.key, json=BODIES["openai"], timeout=30)
     took = time.monotonic() - t
@@ -445,10 +442,7 @@ def test_b2_concurrency_per_key_waits_two_seconds_then_refuses(gateway_factory):
     assert r.headers["retry-after"] == "1"
     held.join(timeout=30)
     # Room that frees within the 2 s is taken.
-    gw.sim.set(ch, latency_ms=800)
-    held = threading.Thread(target=lambda: post(gw, "openai", gw.key, json=BODIES["openai"], timeout=30))
-    held.start()
-    wait_for(lambda: gw.sim.stats(ch)["in_flight"] == 1)
+    held = occupy(gw, "openai", ch, 800)
     assert post(gw, "openai", gw.key, json=BODIES["openai"], timeout=30).status_code == 200
     held.join(timeout=30)
     assert gw.sim.stats(ch)["max_in_flight"] == 1
@@ -468,20 +462,31 @@ def wait_for(cond, timeout=5.0):
 CAPACITY_BUSY = "All upstream capacity for this model is busy. Retry shortly."
 
 
-def background(gw, fmt, results, **kw):
-    th = threading.Thread(target=lambda: results.append(post(gw, fmt, gw.key, json=BODIES[fmt], timeout=30, **kw)))
+def occupy(gw, fmt, channel, latency_ms):
+    """Makes `channel` slow, starts one request that takes its slot, and returns its thread
+    once the simulator holds it."""
+    gw.sim.set(channel, latency_ms=latency_ms)
+    th = threading.Thread(target=lambda: post(gw, fmt, gw.key, json=BODIES[fmt], timeout=30))
     th.start()
+    wait_for(lambda: gw.sim.stats(channel)["in_flight"] == 1)
     return th
+
+
+def row_by_client_id(gw, client_id):
+    """The finished ledger row of the request sent with `x-client-request-id: client_id`."""
+    def find():
+        with gw.db() as con:
+            return con.execute("SELECT * FROM requests WHERE client_request_id = ? AND state = 'failed'",
+                               (client_id,)).fetchone()
+    wait_for(find)
+    return find()
 
 
 def test_c1_a_full_channel_sends_the_request_to_another(gateway_factory):
     # spec: C1
     gw = gateway_factory(group=2, max_concurrency=1)
     a, b = gw.groups["openai"]
-    gw.sim.set(a, latency_ms=1500)
-    out = []
-    th = background(gw, "openai", out)
-    wait_for(lambda: gw.sim.stats(a)["in_flight"] == 1)
+    th = occupy(gw, "openai", a, 1500)
     r = post(gw, "openai", gw.key, json=BODIES["openai"])
     assert r.status_code == 200 and r.headers["x-spillway-channel"] == b
     assert "x-spillway-queued-ms" not in r.headers
@@ -493,10 +498,7 @@ def test_c2_waits_for_the_first_free_slot_and_says_how_long(gateway_factory):
     # spec: C1, C2, A7
     gw = gateway_factory(max_concurrency=1)
     ch = gw.channel("anthropic")
-    gw.sim.set(ch, latency_ms=1000)
-    out = []
-    th = background(gw, "anthropic", out)
-    wait_for(lambda: gw.sim.stats(ch)["in_flight"] == 1)
+    th = occupy(gw, "anthropic", ch, 1000)
     r = post(gw, "anthropic", gw.key, json=BODIES["anthropic"], timeout=30)
     th.join(timeout=30)
     assert r.status_code == 200
@@ -510,10 +512,7 @@ def test_c2_c3_busy_capacity_refuses_with_retry_after_and_bills_nothing(gateway_
     # spec: C2, C3, A8
     gw = gateway_factory(max_concurrency=1, extra_yaml="capacity_wait_ms: 300")
     ch = gw.channel("gemini")
-    gw.sim.set(ch, latency_ms=2000)
-    out = []
-    th = background(gw, "gemini", out)
-    wait_for(lambda: gw.sim.stats(ch)["in_flight"] == 1)
+    th = occupy(gw, "gemini", ch, 2000)
     t = time.monotonic()
     r = post(gw, "gemini", gw.key, json=BODIES["gemini"], timeout=30)
     assert 0.25 <= time.monotonic() - t < 1.5
@@ -530,18 +529,13 @@ def test_c4_a_client_that_leaves_the_queue_sends_nothing_upstream(gateway_factor
     # spec: C4, C3
     gw = gateway_factory(max_concurrency=1)
     ch = gw.channel("openai")
-    gw.sim.set(ch, latency_ms=1500)
-    out = []
-    th = background(gw, "openai", out)
-    wait_for(lambda: gw.sim.stats(ch)["in_flight"] == 1)
+    th = occupy(gw, "openai", ch, 1500)
     with pytest.raises(httpx.TimeoutException):
         post(gw, "openai", gw.key, json=BODIES["openai"], timeout=0.4, headers={"x-client-request-id": "gone-1"})
     th.join(timeout=30)
     time.sleep(0.5)
     assert gw.calls("openai") == 1, "the abandoned request never reached the provider"
-    wait_for(lambda: gw.db().execute("SELECT 1 FROM requests WHERE client_request_id='gone-1'").fetchone())
-    with gw.db() as con:
-        row = con.execute("SELECT * FROM requests WHERE client_request_id = 'gone-1'").fetchone()
+    row = row_by_client_id(gw, "gone-1")
     assert (row["state"], row["error_class"], row["attempts"], row["cost_usd"]) == (
         "failed", "client_disconnected", 0, 0.0)
 
@@ -554,8 +548,5 @@ def test_c4_a_client_that_leaves_while_a_retry_waits_stops_the_retry(gateway):
         post(gateway, "openai", gateway.key, json=BODIES["openai"], timeout=1.0, headers={"x-client-request-id": "gone-2"})
     time.sleep(3.0)
     assert gateway.calls("openai") == 1, "the retry after the wait was never sent"
-    wait_for(lambda: gateway.db().execute(
-        "SELECT 1 FROM requests WHERE client_request_id='gone-2' AND state='failed'").fetchone())
-    with gateway.db() as con:
-        row = con.execute("SELECT * FROM requests WHERE client_request_id = 'gone-2'").fetchone()
+    row = row_by_client_id(gateway, "gone-2")
     assert (row["error_class"], row["attempts"], row["http_status"]) == ("client_disconnected", 1, None)

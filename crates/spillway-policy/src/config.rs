@@ -24,6 +24,22 @@ pub const MAX_CAPACITY_WAIT_MS: u64 = 10_000;
 
 type S<T> = Spanned<T>;
 
+/// Numbers `Ctx::bounded` can check: it words a `1..=MAX` range as "greater than 0".
+trait Bounded {
+    const ONE: Self;
+    const MAX: Self;
+}
+
+impl Bounded for u64 {
+    const ONE: u64 = 1;
+    const MAX: u64 = u64::MAX;
+}
+
+impl Bounded for u32 {
+    const ONE: u32 = 1;
+    const MAX: u32 = u32::MAX;
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
@@ -202,6 +218,27 @@ impl Ctx<'_> {
             message: message.into(),
         });
     }
+
+    /// An optional number that must lie in `range`; the default when absent. Out of range
+    /// is an error naming the field (the default only stands in so validation can go on
+    /// and report every error at once).
+    fn bounded<T>(&mut self, v: &Option<Spanned<T>>, field: &str, range: std::ops::RangeInclusive<T>, default: T) -> T
+    where
+        T: Copy + PartialOrd + std::fmt::Display + Bounded,
+    {
+        match v {
+            Some(m) if !range.contains(&m.value) => {
+                let msg = match (*range.start() == T::ONE, *range.end() == T::MAX) {
+                    (true, true) => "must be greater than 0".to_owned(),
+                    _ => format!("must be between {} and {}", range.start(), range.end()),
+                };
+                self.err(m, field, msg);
+                default
+            }
+            Some(m) => m.value,
+            None => default,
+        }
+    }
 }
 
 impl Config {
@@ -299,38 +336,25 @@ impl RawConfig {
             None => None,
         };
 
-        let max_body_bytes = match &self.max_body_bytes {
-            Some(m) if m.value == 0 => {
-                cx.err(m, "max_body_bytes", "must be greater than 0");
-                DEFAULT_MAX_BODY_BYTES
-            }
-            Some(m) => m.value,
-            None => DEFAULT_MAX_BODY_BYTES,
-        };
-        let attempt_timeout_ms = match &self.attempt_timeout_ms {
-            Some(m) if m.value == 0 => {
-                cx.err(m, "attempt_timeout_ms", "must be greater than 0");
-                DEFAULT_ATTEMPT_TIMEOUT_MS
-            }
-            Some(m) => m.value,
-            None => DEFAULT_ATTEMPT_TIMEOUT_MS,
-        };
-        let max_attempts = match &self.max_attempts {
-            Some(m) if !(1..=10).contains(&m.value) => {
-                cx.err(m, "max_attempts", "must be between 1 and 10");
-                DEFAULT_MAX_ATTEMPTS
-            }
-            Some(m) => m.value,
-            None => DEFAULT_MAX_ATTEMPTS,
-        };
-        let total_deadline_ms = match &self.total_deadline_ms {
-            Some(m) if m.value == 0 => {
-                cx.err(m, "total_deadline_ms", "must be greater than 0");
-                DEFAULT_TOTAL_DEADLINE_MS
-            }
-            Some(m) => m.value,
-            None => DEFAULT_TOTAL_DEADLINE_MS,
-        };
+        let max_body_bytes = cx.bounded(
+            &self.max_body_bytes,
+            "max_body_bytes",
+            1..=u64::MAX,
+            DEFAULT_MAX_BODY_BYTES,
+        );
+        let attempt_timeout_ms = cx.bounded(
+            &self.attempt_timeout_ms,
+            "attempt_timeout_ms",
+            1..=u64::MAX,
+            DEFAULT_ATTEMPT_TIMEOUT_MS,
+        );
+        let max_attempts = cx.bounded(&self.max_attempts, "max_attempts", 1..=10, DEFAULT_MAX_ATTEMPTS);
+        let total_deadline_ms = cx.bounded(
+            &self.total_deadline_ms,
+            "total_deadline_ms",
+            1..=u64::MAX,
+            DEFAULT_TOTAL_DEADLINE_MS,
+        );
         let capacity_wait_ms = match &self.capacity_wait_ms {
             Some(m) if m.value > MAX_CAPACITY_WAIT_MS => {
                 cx.err(
