@@ -550,3 +550,16 @@ def test_c4_a_client_that_leaves_while_a_retry_waits_stops_the_retry(gateway):
     assert gateway.calls("openai") == 1, "the retry after the wait was never sent"
     row = row_by_client_id(gateway, "gone-2")
     assert (row["error_class"], row["attempts"], row["http_status"]) == ("client_disconnected", 1, None)
+
+
+def test_e2_gemini_refusing_the_channel_key_with_400_is_an_auth_failure(gateway_factory):
+    # spec: E2, D3, P3
+    gw = gateway_factory(group=2)
+    a, b = gw.groups["gemini"]
+    gw.sim.set(a, fault=status(400, error="auth", message="API key not valid. Please pass a valid API key."))
+    r = post(gw, "gemini", gw.key, json=BODIES["gemini"])
+    # Not passed through as the client's own 400: the channel's key is at fault.
+    assert r.status_code == 200 and r.headers["x-spillway-channel"] == b
+    assert gw.group_calls("gemini") == [1, 1]
+    att = attempts_of(gw, r)
+    assert (att[0]["error_class"], att[0]["message"]) == ("auth", None)

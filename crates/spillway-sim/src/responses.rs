@@ -207,6 +207,7 @@ pub fn error(format: Format, status: u16, flavor: ErrorFlavor, message: &str, re
                 ErrorFlavor::RateLimit | ErrorFlavor::Quota => "RESOURCE_EXHAUSTED",
                 ErrorFlavor::Overloaded => "UNAVAILABLE",
                 ErrorFlavor::Server => "INTERNAL",
+                ErrorFlavor::Auth if status == 400 => "INVALID_ARGUMENT",
                 ErrorFlavor::Auth => "UNAUTHENTICATED",
                 ErrorFlavor::Invalid => "INVALID_ARGUMENT",
             };
@@ -218,6 +219,10 @@ pub fn error(format: Format, status: u16, flavor: ErrorFlavor, message: &str, re
                 ErrorFlavor::Quota => details.push(json!({"@type": "type.googleapis.com/google.rpc.QuotaFailure",
                     "violations": [{"quotaMetric": "generativelanguage.googleapis.com/generate_content_free_tier_requests",
                                     "quotaId": "GenerateRequestsPerDayPerProjectPerModel-FreeTier"}]})),
+                // A bad key comes as 400 INVALID_ARGUMENT with this reason (not 401).
+                ErrorFlavor::Auth => details.push(json!({"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                    "reason": "API_KEY_INVALID", "domain": "googleapis.com",
+                    "metadata": {"service": "generativelanguage.googleapis.com"}})),
                 _ => {}
             }
             if let Some(d) = retry_delay {

@@ -333,6 +333,13 @@ pub fn classify_response(
                 if let Some(delay) = d.get("retryDelay").and_then(Value::as_str) {
                     retry_after_ms = retry_after_ms.or_else(|| parse_go_duration(delay));
                 }
+            } else if ty.ends_with("google.rpc.ErrorInfo") {
+                // Gemini refuses a bad key with 400 INVALID_ARGUMENT, not 401: the reason
+                // tells that it is the channel's credential, not the client's request.
+                let reason = d.get("reason").and_then(Value::as_str).unwrap_or_default();
+                if reason.starts_with("API_KEY_") || reason == "CONSUMER_SUSPENDED" {
+                    class = ErrorClass::Auth;
+                }
             } else if ty.ends_with("google.rpc.QuotaFailure") {
                 for v in d.get("violations").and_then(Value::as_array).into_iter().flatten() {
                     let id = v
@@ -568,6 +575,19 @@ mod tests {
         let s = classify_response(Format::Gemini, 429, &none, daily.as_bytes(), now());
         assert_eq!(s.class, ErrorClass::Quota);
         assert_eq!(s.limit_dimension, Some(LimitDimension::RequestsPerDay));
+    }
+
+    #[test]
+    fn e2_gemini_bad_key_is_auth_not_invalid_request() {
+        // spec: E2
+        let body = r#"{"error":{"code":400,"message":"API key not valid. Please pass a valid API key.","status":"INVALID_ARGUMENT",
+            "details":[{"@type":"type.googleapis.com/google.rpc.ErrorInfo","reason":"API_KEY_INVALID","domain":"googleapis.com"}]}}"#;
+        let s = classify_response(Format::Gemini, 400, &headers(&[]), body.as_bytes(), now());
+        assert_eq!(s.class, ErrorClass::Auth);
+        let other = r#"{"error":{"code":400,"message":"bad field","status":"INVALID_ARGUMENT",
+            "details":[{"@type":"type.googleapis.com/google.rpc.BadRequest"}]}}"#;
+        let s = classify_response(Format::Gemini, 400, &headers(&[]), other.as_bytes(), now());
+        assert_eq!(s.class, ErrorClass::InvalidRequest);
     }
 
     #[test]
