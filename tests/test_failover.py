@@ -74,6 +74,7 @@ def test_d2_fails_over_to_the_next_channel(gateway_factory, name, fault, cls):
     assert [(x["channel"], x["error_class"], x["decision"]) for x in att] == [
         (a, cls, "failover"), (b, "success", "done")]
     assert att[0]["delay_ms"] == 0, "a ready, untried channel needs no back-off"
+    assert (att[0]["visibility"], att[1]["visibility"]) == ("before_first_token", None)  # spec: E1
 
 
 @pytest.mark.parametrize("fmt", ["openai", "anthropic", "gemini"])
@@ -142,6 +143,7 @@ def test_d3_h2_a_started_stream_is_never_replayed(gateway_factory, fmt):
     assert (row["state"], row["partial_output_committed"]) == ("failed", 1)
     att = attempts_of(gw, r)
     assert [(x["decision"], x["decision_reason"]) for x in att] == [("fail_closed", "partial_output_committed")]
+    assert att[0]["visibility"] == "after_partial_output"  # spec: E1
 
 
 # --- D1, D7: the attempt budget and the final status ----------------------------------------

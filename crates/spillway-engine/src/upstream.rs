@@ -15,7 +15,7 @@ use futures_util::Stream;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 use serde_json::Value;
 use spillway_ledger::{AttemptRecord, RequestRecord, RequestState};
-use spillway_wire::signal::{ErrorClass, Signal, classify_response};
+use spillway_wire::signal::{ErrorClass, Signal, Visibility, classify_response};
 use spillway_wire::{
     ErrorKind, Format, SseEvent, SseParser, Usage, classify_stream_error, rate_limit_state, stream_error_event,
 };
@@ -167,6 +167,7 @@ pub(crate) fn attempt_record(rec: &RequestRecord, channel: &str, started_at: i64
         decision_reason: None,
         delay_ms: None,
         ready_at: None,
+        visibility: None,
     }
 }
 
@@ -175,6 +176,9 @@ pub(crate) fn apply_signal(att: &mut AttemptRecord, s: &Signal) {
     att.error_class = s.class.as_str().to_owned();
     att.provider_error_type = s.provider_error_type.clone();
     att.retry_after_ms = s.retry_after_ms;
+    if s.class != ErrorClass::Success {
+        att.visibility = Some(s.visibility.as_str().to_owned());
+    }
     // P3: a provider's auth error may quote part of the channel's key; keep none of it.
     att.message = if s.class == ErrorClass::Auth {
         None
@@ -612,6 +616,15 @@ impl Observed {
                 rec.error_message = Some(truncate(message.clone()));
                 att.error_class = class_name.to_owned();
                 att.message = Some(truncate(message));
+                att.visibility = Some(
+                    if rec.partial_output_committed {
+                        Visibility::AfterPartialOutput
+                    } else {
+                        Visibility::BeforeFirstToken
+                    }
+                    .as_str()
+                    .to_owned(),
+                );
                 // F2's first rule: once output is visible the request fails closed.
                 att.decision = Some("fail_closed".into());
                 if rec.partial_output_committed {

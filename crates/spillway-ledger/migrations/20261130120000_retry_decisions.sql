@@ -5,4 +5,5 @@ ALTER TABLE attempts ADD COLUMN decision TEXT;          -- done | retry | failov
 ALTER TABLE attempts ADD COLUMN decision_reason TEXT;   -- e.g. attempt_budget_exhausted, retry_after_exceeds_deadline
 ALTER TABLE attempts ADD COLUMN delay_ms INTEGER;       -- pause before the next attempt
 ALTER TABLE attempts ADD COLUMN ready_at INTEGER;       -- unix ms: the next attempt starts no earlier
+ALTER TABLE attempts ADD COLUMN visibility TEXT;        -- E1, for failures: before_first_token | after_partial_output
 ALTER TABLE requests ADD COLUMN next_ready_at INTEGER;  -- unix ms, while the request waits for a retry

@@ -154,6 +154,9 @@ pub struct AttemptRecord {
     pub delay_ms: Option<u64>,
     /// Unix ms: the next attempt starts no earlier (F1).
     pub ready_at: Option<i64>,
+    /// E1, for a failed attempt: whether the client had seen output (`before_first_token`,
+    /// `after_partial_output`).
+    pub visibility: Option<String>,
 }
 
 /// A ledger search (the console's explorer). Every filter is optional; results come

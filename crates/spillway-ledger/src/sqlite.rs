@@ -51,7 +51,7 @@ static REQUEST_UPSERT: LazyLock<String> = LazyLock::new(|| {
 
 const ATTEMPT_COLUMNS: &str = "request_id, attempt_no, channel, upstream_request_id, http_status, error_class, \
     provider_error_type, retry_after_ms, message, started_at, first_byte_at, finished_at, input_tokens, output_tokens, \
-    decision, decision_reason, delay_ms, ready_at";
+    decision, decision_reason, delay_ms, ready_at, visibility";
 
 pub struct SqliteBackend {
     writer: Mutex<SqliteConnection>,
@@ -171,6 +171,7 @@ fn attempt_from_row(r: &SqliteRow) -> Result<AttemptRecord> {
         decision_reason: r.try_get("decision_reason")?,
         delay_ms: u(r.try_get("delay_ms")?),
         ready_at: r.try_get("ready_at")?,
+        visibility: r.try_get("visibility")?,
     })
 }
 
@@ -235,7 +236,8 @@ fn insert_attempts(chunk: &[AttemptRecord]) -> QueryBuilder<Sqlite> {
             .push_bind(a.decision.clone())
             .push_bind(a.decision_reason.clone())
             .push_bind(i(a.delay_ms))
-            .push_bind(a.ready_at);
+            .push_bind(a.ready_at)
+            .push_bind(a.visibility.clone());
     });
     q
 }

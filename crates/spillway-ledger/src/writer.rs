@@ -296,6 +296,7 @@ mod tests {
                 decision_reason: None,
                 delay_ms: None,
                 ready_at: Some(1_780_000_000_000),
+                visibility: None,
             })
             .await
             .unwrap();

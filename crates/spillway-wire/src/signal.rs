@@ -80,6 +80,16 @@ pub enum Visibility {
     BackgroundOnly,
 }
 
+impl Visibility {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Visibility::BeforeFirstToken => "before_first_token",
+            Visibility::AfterPartialOutput => "after_partial_output",
+            Visibility::BackgroundOnly => "background_only",
+        }
+    }
+}
+
 /// One upstream outcome, normalised (E1). `route_key` is added by the engine, which knows
 /// the route; everything here comes from the wire.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

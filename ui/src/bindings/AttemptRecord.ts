@@ -21,4 +21,9 @@ delay_ms: number | null,
 /**
  * Unix ms: the next attempt starts no earlier (F1).
  */
-ready_at: number | null, };
+ready_at: number | null, 
+/**
+ * E1, for a failed attempt: whether the client had seen output (`before_first_token`,
+ * `after_partial_output`).
+ */
+visibility: string | null, };
