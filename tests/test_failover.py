@@ -565,3 +565,19 @@ def test_e2_gemini_refusing_the_channel_key_with_400_is_an_auth_failure(gateway_
     assert gw.group_calls("gemini") == [1, 1]
     att = attempts_of(gw, r)
     assert (att[0]["error_class"], att[0]["message"]) == ("auth", None)
+
+
+def test_b1_a_stream_holds_its_key_slot_until_it_ends(gateway_factory):
+    # spec: B1, B2
+    gw = gateway_factory(key_yaml="    max_concurrency: 1")
+    ch = gw.channel("anthropic")
+    gw.sim.set(ch, tokens_per_second=4)  # 12 tokens: a 3 s stream
+    done = []
+    th = threading.Thread(target=lambda: done.append(stream_post(gw, "anthropic")))
+    th.start()
+    wait_for(lambda: gw.sim.stats(ch)["in_flight"] == 1)
+    r = post(gw, "openai", gw.key, json=BODIES["openai"], timeout=30)
+    assert r.status_code == 429 and error_of("openai", r.json())[1] == KEY_LIMITED
+    th.join(timeout=30)
+    assert "message_stop" in done[0][1]
+    assert post(gw, "openai", gw.key, json=BODIES["openai"]).status_code == 200, "the slot came back with the stream's end"
