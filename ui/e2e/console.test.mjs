@@ -182,7 +182,7 @@ test('failover shows in the route table, the channel table and the request detai
   await until('the paced channel', async () => /paced/.test(await gemini.textContent()))
   assert.match(await gemini.textContent(), /back in \d/)
   await p.waitForTimeout(1200)
-  await p.screenshot({ path: join(SHOTS, 'overview-failover-browser.png') })
+  await p.screenshot({ path: join(SHOTS, 'overview-failover-browser.png'), fullPage: true })
   // The operator puts it back once the provider recovered.
   await setSim('gemini-sim', { latency_ms: 50 })
   p.once('dialog', (d) => d.accept())
