@@ -191,7 +191,15 @@ impl Health {
                         _ => {
                             i.rotation = Rotation::Paced {
                                 until,
-                                reason: format!("HTTP {} asked for a pause of {ms} ms", s.http_status.unwrap_or(429)),
+                                reason: format!(
+                                    "HTTP {} asked for a pause of {}",
+                                    s.http_status.unwrap_or(429),
+                                    if ms % 1000 == 0 {
+                                        format!("{} s", ms / 1000)
+                                    } else {
+                                        format!("{ms} ms")
+                                    }
+                                ),
                             }
                         }
                     }
@@ -263,6 +271,7 @@ mod tests {
         let t0 = Instant::now();
         assert!(!h.observe_failure(&signal(ErrorClass::RateLimit, 429, Some(3000)), "a", t0));
         assert!(matches!(h.check(1, t0), Err(Unavailable::For(d, _)) if d == Duration::from_secs(3)));
+        assert_eq!(h.view(t0).reason.as_deref(), Some("HTTP 429 asked for a pause of 3 s"));
         tokio::time::advance(Duration::from_millis(2999)).await;
         assert!(h.check(1, Instant::now()).is_err());
         tokio::time::advance(Duration::from_millis(1)).await;
