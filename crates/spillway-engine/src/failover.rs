@@ -43,22 +43,6 @@ pub struct Job {
     pub client_gone: Arc<AtomicBool>,
 }
 
-/// The facts D7 needs about the failures so far.
-#[derive(Default)]
-struct Failures {
-    /// Every failure was pacing, overload or capacity: the answer is 429, else 502.
-    all_rate: bool,
-    count: u32,
-}
-
-impl Failures {
-    fn push(&mut self, class: ErrorClass) {
-        let rate = matches!(class, ErrorClass::RateLimit | ErrorClass::Overload);
-        self.all_rate = if self.count == 0 { rate } else { self.all_rate && rate };
-        self.count += 1;
-    }
-}
-
 fn ms(d: Duration) -> u64 {
     d.as_millis() as u64
 }
@@ -86,7 +70,8 @@ pub async fn run(mut job: Job, mut rec: RequestRecord, first: Admitted) -> Respo
     let max_attempts = st.config.max_attempts;
     let mut admitted = first;
     let mut tried: Vec<String> = Vec::new();
-    let mut failures = Failures::default();
+    // D7: while every failure is pacing or overload, running out answers 429, else 502.
+    let mut all_rate = true;
     loop {
         let channel = admitted.channel.clone();
         let name = channel.cfg.name.clone();
@@ -102,7 +87,7 @@ pub async fn run(mut job: Job, mut rec: RequestRecord, first: Admitted) -> Respo
         if channel.health.observe_failure(&signal, &name, now) {
             alert_ejection(&st, &signal, &name);
         }
-        failures.push(signal.class);
+        all_rate &= matches!(signal.class, ErrorClass::RateLimit | ErrorClass::Overload);
         st.metrics.attempt_failed(&rec, signal.class);
 
         let remaining = job.deadline.saturating_duration_since(now);
@@ -143,8 +128,13 @@ pub async fn run(mut job: Job, mut rec: RequestRecord, first: Admitted) -> Respo
             Decision::FailClosed(stop) => {
                 att.decision = Some("fail_closed".into());
                 att.decision_reason = Some(stop.as_str().into());
-                let retry_after = signal.retry_after_ms.map(Duration::from_millis).or(survey.soonest);
-                return finish(&job, rec, att, &signal, &name, stop, &failures, retry_after, &survey).await;
+                let end = End {
+                    stop,
+                    all_rate,
+                    channel: &name,
+                    soonest: survey.soonest,
+                };
+                return finish(&job, rec, att, &signal, end).await;
             }
             Decision::RetryNow { delay } => {
                 att.decision = Some(if survey.untried_ready { "failover" } else { "retry" }.into());
@@ -177,11 +167,7 @@ pub async fn run(mut job: Job, mut rec: RequestRecord, first: Admitted) -> Respo
 
         let now = Instant::now();
         let max_wait = job.capacity_wait_left.min(job.deadline.saturating_duration_since(now));
-        let on_wait = || {
-            st.metrics.queued(&rec, 1);
-            let (st, rec) = (st.clone(), rec.clone());
-            routing::WaitGuard(Some(Box::new(move || st.metrics.queued(&rec, -1))))
-        };
+        let on_wait = || routing::WaitGuard::queued(&st, &rec);
         match routing::admit(
             &job.candidates,
             &job.parsed.model,
@@ -241,20 +227,26 @@ fn alert_ejection(st: &AppState, signal: &Signal, channel: &str) {
     }
 }
 
-/// D7: the failure the client gets once the loop stops.
-#[allow(clippy::too_many_arguments)]
-async fn finish(
-    job: &Job,
-    mut rec: RequestRecord,
-    att: AttemptRecord,
-    signal: &Signal,
-    channel: &str,
+/// How the loop stopped, for D7's answer.
+struct End<'a> {
     stop: Stop,
-    failures: &Failures,
-    retry_after: Option<Duration>,
-    survey: &routing::Survey,
-) -> Response {
-    let st = &job.st;
+    /// Every failure was pacing or overload.
+    all_rate: bool,
+    /// The channel of the last attempt.
+    channel: &'a str,
+    /// The soonest a channel of the group takes work again.
+    soonest: Option<Duration>,
+}
+
+/// D7: the failure the client gets once the loop stops.
+async fn finish(job: &Job, mut rec: RequestRecord, mut att: AttemptRecord, signal: &Signal, end: End<'_>) -> Response {
+    let End {
+        stop,
+        all_rate,
+        channel,
+        soonest,
+    } = end;
+    let retry_after = signal.retry_after_ms.map(Duration::from_millis).or(soonest);
     let n = rec.attempts;
     let plural = if n == 1 { "attempt" } else { "attempts" };
     let base = upstream::client_error(signal, channel);
@@ -268,10 +260,10 @@ async fn finish(
                 job.parsed.model
             ),
             retry_after_ms: retry_after.map(ms),
-            futile: survey.soonest.is_none(),
+            futile: soonest.is_none(),
         },
         _ => {
-            let kind = if failures.all_rate {
+            let kind = if all_rate {
                 ErrorKind::RateLimited
             } else {
                 ErrorKind::Upstream
@@ -296,17 +288,16 @@ async fn finish(
             }
         }
     };
-    let mut rec_att = att;
-    rec_att.finished_at = rec_att.finished_at.or(Some(now_ms()));
-    rec.state = RequestState::Failed;
-    rec.http_status = Some(err.kind().status());
-    rec.error_class = Some(signal.class.as_str().to_owned());
-    rec.error_message = Some(upstream::truncate(err.to_string()));
-    rec.finished_at = rec_att.finished_at;
-    rec.next_ready_at = None;
+    let at = *att.finished_at.get_or_insert_with(now_ms);
+    rec.fail(
+        Some(err.kind().status()),
+        signal.class.as_str(),
+        upstream::truncate(err.to_string()),
+        at,
+    );
     let mut resp = err.into_response(job.format);
     upstream::gateway_headers(resp.headers_mut(), &rec);
-    upstream::record(st, rec, rec_att).await;
+    upstream::record(&job.st, rec, att).await;
     resp
 }
 
@@ -318,19 +309,14 @@ fn signal_is_channel_fault(s: &Signal) -> bool {
 /// gone): the request ends with that error; the last attempt's signal is its class.
 fn end_with(st: &AppState, mut rec: RequestRecord, format: Format, err: GatewayError, last: &Signal) -> Response {
     let now = now_ms();
-    rec.state = RequestState::Failed;
-    // Nobody receives an answer to a client that left.
-    rec.http_status = (!matches!(err, GatewayError::ClientGone)).then(|| err.kind().status());
-    rec.error_class = Some(match err {
-        GatewayError::ClientGone => err.class().to_owned(),
-        _ => last.class.as_str().to_owned(),
-    });
-    rec.error_message = Some(upstream::truncate(format!(
-        "{err} (after {} failed attempt(s))",
-        rec.attempts
-    )));
-    rec.finished_at = Some(now);
-    rec.next_ready_at = None;
+    let gone = matches!(err, GatewayError::ClientGone);
+    rec.fail(
+        // Nobody receives an answer to a client that left.
+        (!gone).then(|| err.kind().status()),
+        if gone { err.class() } else { last.class.as_str() },
+        upstream::truncate(format!("{err} (after {} failed attempt(s))", rec.attempts)),
+        now,
+    );
     st.metrics.finished(&rec, true, now);
     let mut resp = err.into_response(format);
     upstream::gateway_headers(resp.headers_mut(), &rec);

@@ -34,7 +34,7 @@ pub enum Unavailable {
     /// Back in `Duration` (a pace or a rate-limit window).
     For(Duration, String),
     /// Out until an operator acts, or until a named reset.
-    Ejected(ErrorClass, Option<Duration>, String),
+    Ejected(Option<Duration>, String),
 }
 
 #[derive(Debug)]
@@ -97,12 +97,8 @@ impl Health {
                     i.rotation = Rotation::Ready;
                 }
                 Rotation::Paced { until, reason } => return Err(Unavailable::For(left(*until, now), reason.clone())),
-                Rotation::Ejected { class, until, reason } => {
-                    return Err(Unavailable::Ejected(
-                        *class,
-                        until.map(|u| left(u, now)),
-                        reason.clone(),
-                    ));
+                Rotation::Ejected { until, reason, .. } => {
+                    return Err(Unavailable::Ejected(until.map(|u| left(u, now)), reason.clone()));
                 }
             }
             let since = now.saturating_duration_since(i.room_at);
@@ -296,9 +292,14 @@ mod tests {
         // A second failure is not a second ejection (one alert, not one per request).
         assert!(!h.observe_failure(&signal(ErrorClass::Auth, 401, None), "a", now));
         tokio::time::advance(Duration::from_secs(86_400)).await;
+        assert!(matches!(h.check(1, Instant::now()), Err(Unavailable::Ejected(None, _))));
         assert!(matches!(
-            h.check(1, Instant::now()),
-            Err(Unavailable::Ejected(ErrorClass::Auth, None, _))
+            h.rotation(),
+            Rotation::Ejected {
+                class: ErrorClass::Auth,
+                until: None,
+                ..
+            }
         ));
         // A pace does not replace an ejection.
         h.observe_failure(&signal(ErrorClass::RateLimit, 429, Some(5)), "a", Instant::now());

@@ -18,7 +18,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use serde_json::json;
 use sha2::{Digest, Sha256};
-use spillway_ledger::{RequestRecord, RequestState};
+use spillway_ledger::RequestRecord;
 use spillway_wire::{ErrorKind, Format, parse_request};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -191,14 +191,10 @@ async fn read_body(body: Body, limit: u64, headers: &HeaderMap) -> Result<Bytes,
 /// A request that ends before any upstream call: recorded as failed (so rejected traffic
 /// is visible to operators), answered in the caller's format.
 async fn reject(st: &AppState, mut rec: RequestRecord, format: Format, err: GatewayError) -> Response {
-    rec.state = RequestState::Failed;
-    rec.http_status = Some(err.kind().status());
-    rec.error_class = Some(err.class().to_owned());
-    rec.error_message = Some(err.to_string());
+    let now = now_ms();
+    rec.fail(Some(err.kind().status()), err.class(), err.to_string(), now);
     // C3: nothing went upstream, so nothing is billed.
     rec.cost_usd = Some(0.0);
-    let now = now_ms();
-    rec.finished_at = Some(now);
     st.metrics.finished(&rec, false, now);
     if let Err(e) = st.ledger.put_request(rec).await {
         tracing::error!(error = %e, "could not record a rejected request");
@@ -264,7 +260,7 @@ async fn handle(
 
     // From here the request may wait (key room, capacity); a client that hangs up while
     // it waits leaves the queue with nothing sent upstream (C4), and the ledger says so.
-    let mut abandon = Abandoned(Some((st.clone(), rec.clone())));
+    let abandon = Abandoned(Some((&st, &rec)));
     let deadline = tokio::time::Instant::now() + Duration::from_millis(st.config.total_deadline_ms);
     let key_slot = match key.limits.acquire(KEY_WAIT).await {
         Ok(slot) => slot,
@@ -279,11 +275,7 @@ async fn handle(
     let tokens = parsed.estimated_input_tokens + parsed.max_output_tokens.unwrap_or(0);
     let capacity_wait = Duration::from_millis(st.config.capacity_wait_ms)
         .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
-    let on_wait = || {
-        st.metrics.queued(&rec, 1);
-        let (st, rec) = (st.clone(), rec.clone());
-        routing::WaitGuard(Some(Box::new(move || st.metrics.queued(&rec, -1))))
-    };
+    let on_wait = || routing::WaitGuard::queued(&st, &rec);
     let admitted = match routing::admit(&candidates, &parsed.model, tokens, &[], capacity_wait, on_wait).await {
         Ok(a) => a,
         Err(e) => {
@@ -339,24 +331,27 @@ impl Drop for HangUp {
 }
 
 /// A request still waiting at ingress. Dropped armed — the client went away — it records
-/// the request as failed with nothing sent upstream (C4).
-struct Abandoned(Option<(Arc<AppState>, RequestRecord)>);
+/// the request as failed with nothing sent upstream (C4). It borrows the record, so only
+/// an abandoned request pays for a copy of it.
+struct Abandoned<'a>(Option<(&'a AppState, &'a RequestRecord)>);
 
-impl Abandoned {
-    fn disarm(&mut self) {
+impl Abandoned<'_> {
+    fn disarm(mut self) {
         self.0 = None;
     }
 }
 
-impl Drop for Abandoned {
+impl Drop for Abandoned<'_> {
     fn drop(&mut self) {
-        if let Some((st, mut rec)) = self.0.take() {
+        if let Some((st, rec)) = self.0.take() {
+            let mut rec = rec.clone();
             let now = now_ms();
-            rec.state = RequestState::Failed;
-            rec.error_class = Some("client_disconnected".into());
-            rec.error_message =
-                Some("The client disconnected while the request waited for room; nothing was sent upstream.".into());
-            rec.finished_at = Some(now);
+            rec.fail(
+                None,
+                GatewayError::ClientGone.class(),
+                GatewayError::ClientGone.to_string(),
+                now,
+            );
             rec.cost_usd = Some(0.0);
             st.metrics.finished(&rec, false, now);
             st.ledger.enqueue_request(rec);

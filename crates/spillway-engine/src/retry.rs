@@ -236,28 +236,27 @@ mod tests {
         );
         // Exactly 2 s still retries in place; a 4 s draw (after the third failure of five)
         // queues rather than sleeps.
-        let f = Failure {
-            attempts: 2,
-            max_attempts: 5,
-            ..failure()
-        };
-        assert_eq!(
-            decide(f, now, |c| c),
-            Decision::RetryNow {
-                delay: Duration::from_secs(2)
-            }
-        );
-        let f = Failure {
-            attempts: 3,
-            max_attempts: 5,
-            ..failure()
-        };
-        assert_eq!(
-            decide(f, now, |c| c),
-            Decision::Queue {
-                ready_at: now + Duration::from_secs(4)
-            }
-        );
+        for (attempts, expected) in [
+            (
+                2,
+                Decision::RetryNow {
+                    delay: Duration::from_secs(2),
+                },
+            ),
+            (
+                3,
+                Decision::Queue {
+                    ready_at: now + Duration::from_secs(4),
+                },
+            ),
+        ] {
+            let f = Failure {
+                attempts,
+                max_attempts: 5,
+                ..failure()
+            };
+            assert_eq!(decide(f, now, |c| c), expected, "after {attempts} failures");
+        }
         // The draw itself is uniform within the ceiling.
         for _ in 0..200 {
             assert!(full_jitter(Duration::from_millis(1000)) <= Duration::from_millis(1000));

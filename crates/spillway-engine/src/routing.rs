@@ -34,6 +34,15 @@ pub fn candidates(state: &AppState, format: Format, model: &str) -> Vec<Arc<Chan
 /// (admitted, timed out, or the client went away).
 pub struct WaitGuard(pub Option<Box<dyn FnOnce() + Send>>);
 
+impl WaitGuard {
+    /// Counts `rec` as queued on its route until the guard drops.
+    pub fn queued(st: &Arc<AppState>, rec: &spillway_ledger::RequestRecord) -> WaitGuard {
+        st.metrics.queued(rec, 1);
+        let (st, rec) = (st.clone(), rec.clone());
+        WaitGuard(Some(Box::new(move || st.metrics.queued(&rec, -1))))
+    }
+}
+
 impl Drop for WaitGuard {
     fn drop(&mut self) {
         if let Some(f) = self.0.take() {
@@ -72,10 +81,10 @@ pub fn survey(candidates: &[Arc<ChannelRt>], tokens: u64, tried: &[String], now:
         match c.health.check(tokens, now) {
             Ok(()) if tried.contains(&c.cfg.name) => again.push(c.clone()),
             Ok(()) => untried.push(c.clone()),
-            Err(Unavailable::For(d, _)) | Err(Unavailable::Ejected(_, Some(d), _)) => {
+            Err(Unavailable::For(d, _)) | Err(Unavailable::Ejected(Some(d), _)) => {
                 soonest = Some(soonest.map_or(d, |s| s.min(d)));
             }
-            Err(Unavailable::Ejected(_, None, reason)) => ejected.push((c.cfg.name.clone(), reason)),
+            Err(Unavailable::Ejected(None, reason)) => ejected.push((c.cfg.name.clone(), reason)),
         }
     }
     let untried_ready = !untried.is_empty();
@@ -116,7 +125,7 @@ pub async fn admit(
     let started = Instant::now();
     let deadline = started + max_wait;
     let mut on_wait = Some(on_wait);
-    let mut _waiting: Option<WaitGuard> = None;
+    let mut waiting: Option<WaitGuard> = None;
     // Each round either admits, fails, or sleeps until something changes; a handful of
     // rounds covers other requests taking a freed slot first.
     for _ in 0..32 {
@@ -128,7 +137,7 @@ pub async fn admit(
                 return Ok(Admitted {
                     channel: c.clone(),
                     permit,
-                    waited: _waiting.is_some().then(|| started.elapsed()),
+                    waited: waiting.is_some().then(|| started.elapsed()),
                 });
             }
         }
@@ -148,8 +157,8 @@ pub async fn admit(
                 retry_after_s: retry_after.as_millis().div_ceil(1000).max(1) as u64,
             });
         }
-        if _waiting.is_none() {
-            _waiting = on_wait.take().map(|f| f());
+        if waiting.is_none() {
+            waiting = on_wait.take().map(|f| f());
         }
         let wake = now + s.soonest.map_or(left, |d| d.min(left));
         let waits = s.ready.iter().map(|c| {
@@ -207,11 +216,36 @@ mod tests {
         WaitGuard(None)
     }
 
-    fn paced(c: &ChannelRt, ms: u64) {
-        let mut s = Signal::transport(ErrorClass::RateLimit, "429");
-        s.http_status = Some(429);
-        s.retry_after_ms = Some(ms);
+    /// `admit` with C2's 10 s allowance, and how long it took on the paused clock.
+    async fn timed(group: &[Arc<ChannelRt>], tried: &[String]) -> (Result<Admitted, GatewayError>, Duration) {
+        let t = Instant::now();
+        let r = admit(group, "m", 1, tried, Duration::from_secs(10), no_wait).await;
+        (r, t.elapsed())
+    }
+
+    fn admitted(r: Result<Admitted, GatewayError>) -> Admitted {
+        r.unwrap_or_else(|e| panic!("not admitted: {e:?}"))
+    }
+
+    /// The `retry-after` of a capacity refusal.
+    fn busy(r: Result<Admitted, GatewayError>) -> u64 {
+        match r {
+            Err(GatewayError::CapacityBusy { retry_after_s }) => retry_after_s,
+            Err(e) => panic!("expected CapacityBusy, got {e:?}"),
+            Ok(a) => panic!("expected CapacityBusy, admitted on {}", a.channel.cfg.name),
+        }
+    }
+
+    /// Feeds the channel a failure: `status` with an optional wait hint.
+    fn fail(c: &ChannelRt, class: ErrorClass, status: u16, retry_after_ms: Option<u64>) {
+        let mut s = Signal::transport(class, status.to_string());
+        s.http_status = Some(status);
+        s.retry_after_ms = retry_after_ms;
         c.health.observe_failure(&s, &c.cfg.name, Instant::now());
+    }
+
+    fn paced(c: &ChannelRt, ms: u64) {
+        fail(c, ErrorClass::RateLimit, 429, Some(ms));
     }
 
     #[tokio::test(start_paused = true)]
@@ -219,15 +253,9 @@ mod tests {
         // spec: C1
         let (a, b) = (channel("a", 1), channel("b", 1));
         let group = [a.clone(), b.clone()];
-        let first = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
-            .await
-            .ok()
-            .unwrap();
+        let first = admitted(timed(&group, &[]).await.0);
         assert_eq!(first.channel.cfg.name, "a");
-        let second = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
-            .await
-            .ok()
-            .unwrap();
+        let second = admitted(timed(&group, &[]).await.0);
         assert_eq!(second.channel.cfg.name, "b");
         assert!(second.waited.is_none());
     }
@@ -237,33 +265,19 @@ mod tests {
         // spec: C2
         let a = channel("a", 1);
         let group = [a.clone()];
-        let held = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
-            .await
-            .ok()
-            .unwrap();
+        let held = admitted(timed(&group, &[]).await.0);
         let release = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_secs(3)).await;
             drop(held);
         });
-        let t = Instant::now();
-        let waited = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
-            .await
-            .ok()
-            .unwrap();
+        let (r, took) = timed(&group, &[]).await;
+        let waited = admitted(r);
         assert_eq!(waited.waited, Some(Duration::from_secs(3)));
-        assert_eq!(t.elapsed(), Duration::from_secs(3));
+        assert_eq!(took, Duration::from_secs(3));
         release.await.unwrap();
         // Nothing frees within the allowance: 429 after exactly the allowance.
-        let t = Instant::now();
-        let err = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
-            .await
-            .err()
-            .unwrap();
-        assert!(
-            matches!(err, GatewayError::CapacityBusy { retry_after_s: 1 }),
-            "{err:?}"
-        );
-        assert_eq!(t.elapsed(), Duration::from_secs(10));
+        let (r, took) = timed(&group, &[]).await;
+        assert_eq!((busy(r), took), (1, Duration::from_secs(10)));
         drop(waited);
     }
 
@@ -273,26 +287,13 @@ mod tests {
         let a = channel("a", 4);
         paced(&a, 2_500);
         let group = [a.clone()];
-        let t = Instant::now();
-        let got = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
-            .await
-            .ok()
-            .unwrap();
-        assert_eq!(t.elapsed(), Duration::from_millis(2_500));
-        assert_eq!(got.waited, Some(Duration::from_millis(2_500)));
-        drop(got);
+        let (r, took) = timed(&group, &[]).await;
+        assert_eq!(took, Duration::from_millis(2_500));
+        assert_eq!(admitted(r).waited, Some(Duration::from_millis(2_500)));
         // A hint past the allowance is refused at once, naming the hint.
         paced(&a, 30_000);
-        let t = Instant::now();
-        let err = admit(&group, "m", 1, &[], Duration::from_secs(10), no_wait)
-            .await
-            .err()
-            .unwrap();
-        assert!(
-            matches!(err, GatewayError::CapacityBusy { retry_after_s: 30 }),
-            "{err:?}"
-        );
-        assert_eq!(t.elapsed(), Duration::ZERO);
+        let (r, took) = timed(&group, &[]).await;
+        assert_eq!((busy(r), took), (30, Duration::ZERO));
     }
 
     #[tokio::test(start_paused = true)]
@@ -300,10 +301,7 @@ mod tests {
         // spec: D1
         let (a, b) = (channel("a", 4), channel("b", 4));
         let group = [a.clone(), b.clone()];
-        let got = admit(&group, "m", 1, &["a".to_owned()], Duration::ZERO, no_wait)
-            .await
-            .ok()
-            .unwrap();
+        let got = admitted(timed(&group, &["a".to_owned()]).await.0);
         assert_eq!(got.channel.cfg.name, "b");
         let s = survey(&group, 1, &["a".to_owned(), "b".to_owned()], Instant::now());
         assert!(!s.untried_ready);
@@ -318,16 +316,11 @@ mod tests {
     async fn e2_an_ejected_group_has_no_channel_left() {
         // spec: E2
         let a = channel("a", 4);
-        let mut s = Signal::transport(ErrorClass::Auth, "401");
-        s.http_status = Some(401);
-        a.health.observe_failure(&s, "a", Instant::now());
-        let err = admit(&[a], "m", 1, &[], Duration::from_secs(10), no_wait)
-            .await
-            .err()
-            .unwrap();
-        match err {
-            GatewayError::NoChannelInRotation { detail, .. } => assert!(detail.contains("credential"), "{detail}"),
-            e => panic!("{e:?}"),
+        fail(&a, ErrorClass::Auth, 401, None);
+        match timed(&[a], &[]).await.0 {
+            Err(GatewayError::NoChannelInRotation { detail, .. }) => assert!(detail.contains("credential"), "{detail}"),
+            Err(e) => panic!("{e:?}"),
+            Ok(_) => panic!("admitted to an ejected channel"),
         }
     }
 }

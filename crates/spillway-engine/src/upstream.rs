@@ -15,7 +15,7 @@ use futures_util::Stream;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 use serde_json::Value;
 use spillway_ledger::{AttemptRecord, RequestRecord, RequestState};
-use spillway_wire::signal::{ErrorClass, Signal, Visibility, classify_response};
+use spillway_wire::signal::{ErrorClass, Signal, Visibility, classify_parsed};
 use spillway_wire::{
     ErrorKind, Format, SseEvent, SseParser, Usage, classify_stream_error, rate_limit_state, stream_error_event,
 };
@@ -363,10 +363,19 @@ pub async fn attempt(job: &mut Job, mut rec: RequestRecord, admitted: Admitted) 
             return failed(rec, att, s);
         }
     };
-    let signal = classify_response(format, status.as_u16(), &lookup, &body, SystemTime::now());
+    // One parse serves both the classification and the usage.
+    let json: Option<Value> = serde_json::from_slice(&body).ok();
+    let signal = classify_parsed(
+        format,
+        status.as_u16(),
+        &lookup,
+        json.as_ref(),
+        body.is_empty(),
+        SystemTime::now(),
+    );
     match signal.class {
         ErrorClass::Success => {
-            let usage = Usage::from_body(format, &body);
+            let usage = json.as_ref().map(|v| Usage::from_json(format, v)).unwrap_or_default();
             apply_usage(&mut rec, &mut att, &usage);
             apply_signal(&mut att, &signal);
             let now = now_ms();
@@ -394,15 +403,12 @@ pub async fn attempt(job: &mut Job, mut rec: RequestRecord, admitted: Admitted) 
         ErrorClass::InvalidRequest => {
             // D3: the provider's own 400/404/413/422 goes back as it came; retrying cannot help.
             apply_signal(&mut att, &signal);
-            att.finished_at = Some(now_ms());
+            let now = now_ms();
+            att.finished_at = Some(now);
             att.decision = Some("passed_through".into());
             att.decision_reason = Some(crate::retry::Stop::NotRetryable.as_str().into());
-            rec.state = RequestState::Failed;
-            rec.http_status = Some(status.as_u16());
-            rec.error_class = Some(signal.class.as_str().to_owned());
-            rec.error_message = signal.message.clone().map(truncate);
-            rec.finished_at = att.finished_at;
-            rec.next_ready_at = None;
+            let message = signal.message.clone().map(truncate).unwrap_or_default();
+            rec.fail(Some(status.as_u16()), signal.class.as_str(), message, now);
             let mut out = Response::new(Body::from(body));
             *out.status_mut() = status;
             let h = out.headers_mut();
@@ -575,10 +581,11 @@ impl Observed {
         rec.finished_at = Some(now);
         att.finished_at = Some(now);
         att.http_status = Some(200);
-        let failure = match end {
+        // The failure's class name (as the ledger spells it) and message.
+        let failure: Option<(&str, String)> = match end {
             End::Complete => self.stream_error.take().map(|s| {
                 (
-                    s.class,
+                    s.class.as_str(),
                     format!(
                         "provider sent an error event: {}",
                         s.message
@@ -588,9 +595,9 @@ impl Observed {
                     ),
                 )
             }),
-            End::Broken(class, m) => Some((class, m)),
+            End::Broken(class, m) => Some((class.as_str(), m)),
             End::ClientGone => Some((
-                ErrorClass::Unknown,
+                GatewayError::ClientGone.class(),
                 "client disconnected before the stream ended".to_owned(),
             )),
         };
@@ -603,19 +610,12 @@ impl Observed {
                 att.decision = Some("done".into());
             }
             Some((class, message)) => {
-                rec.state = RequestState::Failed;
-                rec.http_status = Some(200);
+                let message = truncate(message);
+                rec.fail(Some(200), class, message.clone(), now);
                 // H2: output the client already saw is committed; it is never replayed.
                 rec.partial_output_committed = self.first_token_at.is_some();
-                let class_name = if message.starts_with("client disconnected") {
-                    "client_disconnected"
-                } else {
-                    class.as_str()
-                };
-                rec.error_class = Some(class_name.to_owned());
-                rec.error_message = Some(truncate(message.clone()));
-                att.error_class = class_name.to_owned();
-                att.message = Some(truncate(message));
+                att.error_class = class.to_owned();
+                att.message = Some(message);
                 att.visibility = Some(
                     if rec.partial_output_committed {
                         Visibility::AfterPartialOutput

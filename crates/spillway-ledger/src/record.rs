@@ -127,6 +127,20 @@ impl RequestRecord {
     }
 }
 
+impl RequestRecord {
+    /// Closes the request as failed at `at_ms`: every failure path (refused at ingress,
+    /// abandoned, out of attempts, passed-through provider 4xx, broken stream) ends here.
+    /// `http_status` is what the client was answered, if anyone was.
+    pub fn fail(&mut self, http_status: Option<u16>, class: impl Into<String>, message: impl Into<String>, at_ms: i64) {
+        self.state = RequestState::Failed;
+        self.http_status = http_status;
+        self.error_class = Some(class.into());
+        self.error_message = Some(message.into());
+        self.finished_at = Some(at_ms);
+        self.next_ready_at = None;
+    }
+}
+
 /// One upstream attempt of a request.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, TS)]
 pub struct AttemptRecord {

@@ -246,7 +246,20 @@ pub fn classify_response(
     now: SystemTime,
 ) -> Signal {
     let json: Option<Value> = serde_json::from_slice(body).ok();
-    let err = json.as_ref().and_then(|v| v.get("error"));
+    classify_parsed(format, status, header, json.as_ref(), body.is_empty(), now)
+}
+
+/// [`classify_response`] for a body the caller has parsed already (its usage is read from
+/// the same parse): `json` is `None` when the body is not JSON, `empty` when there was none.
+pub fn classify_parsed(
+    format: Format,
+    status: u16,
+    header: &dyn Fn(&str) -> Option<String>,
+    json: Option<&Value>,
+    empty: bool,
+    now: SystemTime,
+) -> Signal {
+    let err = json.and_then(|v| v.get("error"));
     let provider_error_type = err
         .and_then(|e| match format {
             // OpenAI's `code` is the precise one (`insufficient_quota`), `type` the family.
@@ -309,7 +322,7 @@ pub fn classify_response(
     let pte = provider_error_type.as_deref();
     let mut class = match status {
         200..=299 => {
-            if json.is_none() && !body.is_empty() {
+            if json.is_none() && !empty {
                 ErrorClass::MalformedResponse
             } else {
                 ErrorClass::Success

@@ -87,14 +87,6 @@ impl Usage {
             },
         }
     }
-
-    /// Usage from a whole response body; an unparsable body yields no usage.
-    pub fn from_body(format: Format, body: &[u8]) -> Usage {
-        match serde_json::from_slice::<Value>(body) {
-            Ok(v) => Usage::from_json(format, &v),
-            Err(_) => Usage::default(),
-        }
-    }
 }
 
 #[cfg(test)]
