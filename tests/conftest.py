@@ -57,9 +57,10 @@ def read_line(proc, prefix, timeout=20.0):
     raise AssertionError(f"no line starting {prefix!r} within {timeout}s; stderr: {err}")
 
 
-def http_json(method, url, body=None):
+def http_json(method, url, body=None, headers=None):
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"content-type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
@@ -130,11 +131,7 @@ class Gateway:
         return [self.sim.stats(c)["calls"] for c in self.groups[fmt]]
 
     def admin(self, method, path, body=None):
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"authorization": f"Bearer {self.admin_token}", "content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return json.loads(r.read())
+        return http_json(method, self.url + path, body, {"authorization": f"Bearer {self.admin_token}"})
 
 
 def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml="", args=(), group=1, max_concurrency=8, key_yaml=""):

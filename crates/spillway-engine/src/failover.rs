@@ -128,7 +128,7 @@ pub async fn run(mut job: Job, mut rec: RequestRecord, first: Admitted) -> Respo
             Decision::FailClosed(stop) => {
                 att.decision = Some("fail_closed".into());
                 att.decision_reason = Some(stop.as_str().into());
-                let end = End {
+                let end = Stopped {
                     stop,
                     all_rate,
                     channel: &name,
@@ -228,7 +228,7 @@ fn alert_ejection(st: &AppState, signal: &Signal, channel: &str) {
 }
 
 /// How the loop stopped, for D7's answer.
-struct End<'a> {
+struct Stopped<'a> {
     stop: Stop,
     /// Every failure was pacing or overload.
     all_rate: bool,
@@ -239,8 +239,14 @@ struct End<'a> {
 }
 
 /// D7: the failure the client gets once the loop stops.
-async fn finish(job: &Job, mut rec: RequestRecord, mut att: AttemptRecord, signal: &Signal, end: End<'_>) -> Response {
-    let End {
+async fn finish(
+    job: &Job,
+    mut rec: RequestRecord,
+    mut att: AttemptRecord,
+    signal: &Signal,
+    end: Stopped<'_>,
+) -> Response {
+    let Stopped {
         stop,
         all_rate,
         channel,
