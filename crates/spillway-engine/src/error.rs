@@ -7,6 +7,11 @@ use axum::response::Response;
 use http::{HeaderValue, StatusCode, header};
 use spillway_wire::{ErrorKind, Format, RequestError, error_body};
 
+/// A wait as `retry-after` says it: whole seconds, rounded up, never 0 (A8).
+pub fn retry_after_secs(wait: std::time::Duration) -> u64 {
+    (wait.as_millis().div_ceil(1000) as u64).max(1)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
     #[error("Missing API key. Send it as {0}.")]
@@ -100,7 +105,9 @@ impl GatewayError {
             }
             GatewayError::Upstream {
                 retry_after_ms, kind, ..
-            } if kind.retryable() => Some(retry_after_ms.map(|ms| ms.div_ceil(1000)).unwrap_or(1).max(1)),
+            } if kind.retryable() => {
+                Some(retry_after_ms.map_or(1, |ms| retry_after_secs(std::time::Duration::from_millis(ms))))
+            }
             _ if self.kind().retryable() => Some(1),
             _ => None,
         }

@@ -65,7 +65,7 @@ impl KeyLimits {
                         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
                         if wait > left {
                             return Err(OverLimit {
-                                retry_after_s: wait.as_millis().div_ceil(1000).max(1) as u64,
+                                retry_after_s: crate::error::retry_after_secs(wait),
                             });
                         }
                         tokio::time::sleep(wait).await;

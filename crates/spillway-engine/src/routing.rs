@@ -154,7 +154,7 @@ pub async fn admit(
                 _ => Duration::from_secs(1),
             };
             return Err(GatewayError::CapacityBusy {
-                retry_after_s: retry_after.as_millis().div_ceil(1000).max(1) as u64,
+                retry_after_s: crate::error::retry_after_secs(retry_after),
             });
         }
         if waiting.is_none() {
