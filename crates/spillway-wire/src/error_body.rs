@@ -13,19 +13,27 @@ pub enum ErrorKind {
     InvalidRequest,
     /// 401: missing or unknown gateway key.
     Authentication,
+    /// 403: the request may not be served here (a Host name the gateway does not answer).
+    Forbidden,
     /// 402: the owner's balance or the key's spend limit.
     InsufficientQuota,
     /// 404: no such endpoint, or no channel serves the model.
     NotFound,
     /// 405: the endpoint exists but not for this method.
     MethodNotAllowed,
+    /// 408: the client did not send its body in time.
+    RequestTimeout,
     /// 413: body over the configured limit.
     PayloadTooLarge,
+    /// 415: the body is not `application/json`.
+    UnsupportedMediaType,
     /// 429: a key's limits, or upstream capacity.
     RateLimited,
+    /// 500: the gateway itself failed (a bug); the request is closed and recorded.
+    Internal,
     /// 502: the upstream failed and the gateway could not get an answer.
     Upstream,
-    /// 503: the gateway is shutting down.
+    /// 503: the gateway is shutting down, or its ledger cannot record the request.
     Unavailable,
 }
 
@@ -35,10 +43,14 @@ impl ErrorKind {
             ErrorKind::InvalidRequest => 400,
             ErrorKind::Authentication => 401,
             ErrorKind::InsufficientQuota => 402,
+            ErrorKind::Forbidden => 403,
             ErrorKind::NotFound => 404,
             ErrorKind::MethodNotAllowed => 405,
+            ErrorKind::RequestTimeout => 408,
             ErrorKind::PayloadTooLarge => 413,
+            ErrorKind::UnsupportedMediaType => 415,
             ErrorKind::RateLimited => 429,
+            ErrorKind::Internal => 500,
             ErrorKind::Upstream => 502,
             ErrorKind::Unavailable => 503,
         }
@@ -49,7 +61,11 @@ impl ErrorKind {
     pub fn retryable(self) -> bool {
         matches!(
             self,
-            ErrorKind::RateLimited | ErrorKind::Upstream | ErrorKind::Unavailable
+            ErrorKind::RateLimited
+                | ErrorKind::Upstream
+                | ErrorKind::Unavailable
+                | ErrorKind::Internal
+                | ErrorKind::RequestTimeout
         )
     }
 
@@ -59,10 +75,14 @@ impl ErrorKind {
             ErrorKind::InvalidRequest => ("invalid_request_error", None),
             ErrorKind::Authentication => ("invalid_request_error", Some("invalid_api_key")),
             ErrorKind::InsufficientQuota => ("insufficient_quota", Some("insufficient_quota")),
+            ErrorKind::Forbidden => ("invalid_request_error", Some("permission_denied")),
             ErrorKind::NotFound => ("invalid_request_error", Some("not_found")),
             ErrorKind::MethodNotAllowed => ("invalid_request_error", Some("method_not_allowed")),
+            ErrorKind::RequestTimeout => ("invalid_request_error", Some("request_timeout")),
             ErrorKind::PayloadTooLarge => ("invalid_request_error", Some("request_too_large")),
+            ErrorKind::UnsupportedMediaType => ("invalid_request_error", Some("unsupported_media_type")),
             ErrorKind::RateLimited => ("rate_limit_exceeded", Some("rate_limit_exceeded")),
+            ErrorKind::Internal => ("api_error", Some("internal_error")),
             ErrorKind::Upstream => ("api_error", Some("api_error")),
             ErrorKind::Unavailable => ("api_error", Some("service_unavailable")),
         }
@@ -70,21 +90,31 @@ impl ErrorKind {
 
     fn anthropic(self) -> &'static str {
         match self {
-            ErrorKind::InvalidRequest | ErrorKind::MethodNotAllowed => "invalid_request_error",
+            ErrorKind::InvalidRequest
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::RequestTimeout
+            | ErrorKind::UnsupportedMediaType => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
+            ErrorKind::Forbidden => "permission_error",
             ErrorKind::InsufficientQuota => "billing_error",
             ErrorKind::NotFound => "not_found_error",
             ErrorKind::PayloadTooLarge => "request_too_large",
             ErrorKind::RateLimited => "rate_limit_error",
-            ErrorKind::Upstream => "api_error",
+            ErrorKind::Upstream | ErrorKind::Internal => "api_error",
             ErrorKind::Unavailable => "overloaded_error",
         }
     }
 
     fn gemini(self) -> &'static str {
         match self {
-            ErrorKind::InvalidRequest | ErrorKind::PayloadTooLarge | ErrorKind::MethodNotAllowed => "INVALID_ARGUMENT",
+            ErrorKind::InvalidRequest
+            | ErrorKind::PayloadTooLarge
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::UnsupportedMediaType => "INVALID_ARGUMENT",
             ErrorKind::Authentication => "UNAUTHENTICATED",
+            ErrorKind::Forbidden => "PERMISSION_DENIED",
+            ErrorKind::RequestTimeout => "DEADLINE_EXCEEDED",
+            ErrorKind::Internal => "INTERNAL",
             ErrorKind::InsufficientQuota | ErrorKind::RateLimited => "RESOURCE_EXHAUSTED",
             ErrorKind::NotFound => "NOT_FOUND",
             ErrorKind::Upstream | ErrorKind::Unavailable => "UNAVAILABLE",

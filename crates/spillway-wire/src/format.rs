@@ -4,7 +4,8 @@ use serde::{Deserialize, Serialize};
 
 /// A provider wire format. A request keeps its caller's format from ingress to the error
 /// body it may end with (A3), and is only routed to channels of the same format (A4).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "ts", derive(ts_rs::TS))]
 #[serde(rename_all = "lowercase")]
 pub enum Format {
     OpenAi,

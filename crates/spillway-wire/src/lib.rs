@@ -8,13 +8,16 @@ pub mod format;
 pub mod request;
 pub mod signal;
 pub mod sse;
+pub mod time;
 pub mod usage;
 
 pub use error_body::{ErrorKind, error_body, stream_error_event};
 pub use format::Format;
 pub use request::{ParsedRequest, RequestError, parse_request};
 pub use signal::{
-    ErrorClass, RateLimitState, Signal, classify_parsed, classify_stream_error, parse_retry_after, rate_limit_state,
+    ErrorClass, RateLimitState, Signal, Visibility, classify_parsed, classify_stream_error, parse_retry_after,
+    rate_limit_state,
 };
 pub use sse::{SseEvent, SseParser};
+pub use time::UnixMs;
 pub use usage::Usage;

@@ -84,11 +84,72 @@ struct GeminiGenerate {
     generation_config: Option<GenerationConfig>,
 }
 
+/// What serde says went wrong, in our words: the expectation (which comes from our own
+/// types) and the kind of value found, never the value itself (A5: an error names the
+/// field and what was expected, and never echoes the client's text back).
+fn describe(msg: &str) -> String {
+    let expected = msg
+        .split_once(", expected ")
+        .map(|(_, e)| e.split(" at line ").next().unwrap_or(e).trim());
+    let found = |rest: &str| -> &'static str {
+        let word = rest.split([' ', '`']).next().unwrap_or_default();
+        match word {
+            "string" => "a string",
+            "integer" => "an integer",
+            "floating" => "a number with a fraction",
+            "boolean" => "a boolean",
+            "null" => "null",
+            "map" => "an object",
+            "sequence" => "an array",
+            _ => "another kind of value",
+        }
+    };
+    if let Some(rest) = msg.strip_prefix("invalid type: ") {
+        return match expected {
+            Some(e) => format!("expected {e}, got {}", found(rest)),
+            None => format!("has the wrong type ({})", found(rest)),
+        };
+    }
+    if msg.starts_with("invalid value: ") || msg.starts_with("invalid length ") {
+        return match expected {
+            Some(e) => format!("expected {e}"),
+            None => "has an invalid value".to_owned(),
+        };
+    }
+    if msg.starts_with("duplicate field") {
+        return "appears more than once".to_owned();
+    }
+    if msg.starts_with("number out of range") {
+        return "is a number out of range".to_owned();
+    }
+    "has an invalid value".to_owned()
+}
+
+/// serde_json's syntax errors are a fixed vocabulary ("expected `,` or `}`", "EOF while
+/// parsing a string", "trailing characters"): safe to show, with the position.
+fn syntax(e: &serde_json::Error) -> RequestError {
+    let what = e.to_string();
+    let what = what.split(" at line ").next().unwrap_or(&what).to_owned();
+    let msg = if what == "trailing characters" {
+        format!(
+            "body must be exactly one JSON value; more follows it at line {} column {}",
+            e.line(),
+            e.column()
+        )
+    } else {
+        format!("body is not valid JSON ({what} at line {} column {})", e.line(), e.column())
+    };
+    RequestError::new(None, msg)
+}
+
 fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, RequestError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let value = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
+        if inner.is_syntax() || inner.is_eof() {
+            return syntax(&inner);
+        }
         let msg = inner.to_string();
         // serde reports a missing field at its parent's path; name the field itself.
         if let Some(rest) = msg.strip_prefix("missing field `") {
@@ -100,17 +161,22 @@ fn decode<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, RequestError> {
             };
             return RequestError::new(Some(&field), "is required");
         }
-        if inner.is_syntax() || inner.is_eof() {
-            return RequestError::new(None, format!("body is not valid JSON ({msg})"));
-        }
         let field = if path == "." { None } else { Some(path.as_str()) };
-        // Drop serde's "at line 1 column 9" suffix: the field path says more.
-        let msg = msg.split(" at line ").next().unwrap_or(&msg).to_owned();
-        RequestError::new(field, msg)
-    })
+        RequestError::new(field, describe(&msg))
+    })?;
+    // One JSON value and nothing after it: bytes a strict provider would refuse must not
+    // reach it, and nothing the gateway did not read may ride along.
+    de.end().map_err(|e| syntax(&e))?;
+    Ok(value)
 }
 
 fn require_object(body: &[u8]) -> Result<(), RequestError> {
+    if let Err(e) = std::str::from_utf8(body) {
+        return Err(RequestError::new(
+            None,
+            format!("body is not valid UTF-8 (invalid byte at offset {})", e.valid_up_to()),
+        ));
+    }
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     match first {
         Some(b'{') => Ok(()),
@@ -258,6 +324,46 @@ mod tests {
             assert!(e.field.is_none(), "{body}: {e:?}");
             assert!(e.to_string().starts_with("Invalid request"));
         }
+    }
+
+    #[test]
+    fn a5_one_utf8_json_value_and_nothing_after_it() {
+        // spec: A5
+        let ok = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+        assert!(parse_request(Format::OpenAi, None, false, ok.as_bytes()).is_ok());
+        assert!(parse_request(Format::OpenAi, None, false, format!("{ok} \n\t").as_bytes()).is_ok());
+        for trailing in [format!("{ok}{ok}"), format!("{ok} x"), format!("{ok}]")] {
+            let e = parse_request(Format::OpenAi, None, false, trailing.as_bytes()).unwrap_err();
+            assert!(e.message.contains("exactly one JSON value"), "{e}");
+        }
+        // Invalid UTF-8, even inside a value the gateway never reads.
+        let mut bad = br#"{"model":"m","messages":[{"role":"user","content":""#.to_vec();
+        bad.extend_from_slice(&[0xff, 0xfe]);
+        bad.extend_from_slice(br#""}]}"#);
+        let e = parse_request(Format::OpenAi, None, false, &bad).unwrap_err();
+        assert!(e.message.contains("not valid UTF-8") && e.message.contains("offset 51"), "{e}");
+    }
+
+    #[test]
+    fn a5_errors_never_echo_the_clients_text() {
+        // spec: A5, P3
+        let secret = "sk-live-4f9a8b7c6d5e";
+        for (format, body, field) in [
+            (Format::OpenAi, format!(r#"{{"model":"m","messages":"{secret}"}}"#), "messages"),
+            (Format::OpenAi, format!(r#"{{"model":["{secret}"],"messages":[{{}}]}}"#), "model"),
+            (Format::Anthropic, format!(r#"{{"model":"m","max_tokens":"{secret}","messages":[{{}}]}}"#), "max_tokens"),
+            (Format::Gemini, format!(r#"{{"contents":[{{}}],"generationConfig":{{"maxOutputTokens":"{secret}"}}}}"#), "generationConfig.maxOutputTokens"),
+            (Format::OpenAi, format!(r#"{{"model":"{secret} <x>","messages":[{{}}]}}"#), "model"),
+        ] {
+            let e = parse_request(format, Some("m"), false, body.as_bytes()).unwrap_err();
+            assert_eq!(e.field.as_deref(), Some(field), "{e}");
+            assert!(!e.to_string().contains("sk-live"), "{e}");
+            assert!(e.message.starts_with("expected") || e.message.starts_with("must"), "{e}");
+        }
+        let e = err(Format::OpenAi, r#"{"model":"m","messages":"hi"}"#);
+        assert_eq!(e.message, "expected a sequence, got a string");
+        let e = err(Format::Anthropic, r#"{"model":"m","max_tokens":-1,"messages":[{}]}"#);
+        assert_eq!(e.message, "expected u64");
     }
 
     #[test]

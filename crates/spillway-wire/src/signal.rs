@@ -5,10 +5,11 @@
 use crate::Format;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use crate::time::UnixMs;
 
 /// The E2 class of an outcome, which decides what happens next.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "ts", derive(ts_rs::TS))]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorClass {
     /// 2xx: nothing went wrong.
@@ -40,6 +41,27 @@ pub enum ErrorClass {
 }
 
 impl ErrorClass {
+    pub const ALL: [ErrorClass; 13] = [
+        ErrorClass::Success,
+        ErrorClass::RateLimit,
+        ErrorClass::Quota,
+        ErrorClass::Overload,
+        ErrorClass::ServerError,
+        ErrorClass::Transient,
+        ErrorClass::Timeout,
+        ErrorClass::Unreachable,
+        ErrorClass::Auth,
+        ErrorClass::InvalidRequest,
+        ErrorClass::StreamInterrupted,
+        ErrorClass::MalformedResponse,
+        ErrorClass::Unknown,
+    ];
+
+    /// The class [`ErrorClass::as_str`] spells `s`.
+    pub fn parse(s: &str) -> Option<ErrorClass> {
+        ErrorClass::ALL.into_iter().find(|c| c.as_str() == s)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorClass::Success => "success",
@@ -73,14 +95,28 @@ pub enum LimitDimension {
 
 /// Where the failure sits relative to what the client has already seen (E1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "ts", derive(ts_rs::TS))]
 #[serde(rename_all = "snake_case")]
 pub enum Visibility {
+    /// The client has seen nothing of this attempt: it may be retried unseen.
     BeforeFirstToken,
+    /// The client has seen output: the request is bound to its channel (H2).
     AfterPartialOutput,
+    /// Background work: nobody is watching the output as it comes.
     BackgroundOnly,
 }
 
 impl Visibility {
+    pub fn parse(s: &str) -> Option<Visibility> {
+        [
+            Visibility::BeforeFirstToken,
+            Visibility::AfterPartialOutput,
+            Visibility::BackgroundOnly,
+        ]
+        .into_iter()
+        .find(|v| v.as_str() == s)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Visibility::BeforeFirstToken => "before_first_token",
@@ -119,7 +155,7 @@ impl Signal {
 
 /// `Retry-After` as delta-seconds or an HTTP date (RFC 9110), in milliseconds from `now`.
 /// A date in the past means "now" (0).
-pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<u64> {
+pub fn parse_retry_after(value: &str, now: UnixMs) -> Option<u64> {
     let v = value.trim();
     if let Ok(secs) = v.parse::<u64>() {
         return Some(secs.saturating_mul(1000));
@@ -130,8 +166,8 @@ pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<u64> {
     {
         return Some((secs * 1000.0) as u64);
     }
-    let at = httpdate::parse_http_date(v).ok()?;
-    Some(at.duration_since(now).map(|d| d.as_millis() as u64).unwrap_or(0))
+    let at = UnixMs::from_system(httpdate::parse_http_date(v).ok()?);
+    Some(at.since(now))
 }
 
 /// A Go-style duration as OpenAI sends in `x-ratelimit-reset-*` (`12ms`, `6s`, `6m0s`,
@@ -168,65 +204,11 @@ pub fn parse_go_duration(s: &str) -> Option<u64> {
     Some(total.ceil() as u64)
 }
 
-/// An RFC 3339 timestamp (Anthropic's `anthropic-ratelimit-*-reset`) as a `SystemTime`.
-pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
-    let b = s.trim().as_bytes();
-    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || !(b[10] == b'T' || b[10] == b't') {
-        return None;
-    }
-    let num = |r: std::ops::Range<usize>| -> Option<i64> { std::str::from_utf8(b.get(r)?).ok()?.parse().ok() };
-    let (y, mo, d, h, mi, se) = (
-        num(0..4)?,
-        num(5..7)?,
-        num(8..10)?,
-        num(11..13)?,
-        num(14..16)?,
-        num(17..19)?,
-    );
-    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
-        return None;
-    }
-    let mut i = 19;
-    let mut nanos = 0u64;
-    if b.get(i) == Some(&b'.') {
-        i += 1;
-        let start = i;
-        while i < b.len() && b[i].is_ascii_digit() {
-            i += 1;
-        }
-        let frac = std::str::from_utf8(&b[start..i]).ok()?;
-        let digits: String = frac.chars().chain(std::iter::repeat('0')).take(9).collect();
-        nanos = digits.parse().ok()?;
-    }
-    let offset_secs: i64 = match b.get(i)? {
-        b'Z' | b'z' => 0,
-        sign @ (b'+' | b'-') => {
-            let oh = num(i + 1..i + 3)?;
-            let om = num(i + 4..i + 6)?;
-            let o = oh * 3600 + om * 60;
-            if *sign == b'+' { o } else { -o }
-        }
-        _ => return None,
-    };
-    // Days from civil (Howard Hinnant's algorithm).
-    let (yy, m) = if mo <= 2 { (y - 1, mo + 9) } else { (y, mo - 3) };
-    let era = yy.div_euclid(400);
-    let yoe = yy - era * 400;
-    let doy = (153 * m + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + h * 3600 + mi * 60 + se - offset_secs;
-    if secs < 0 {
-        return None;
-    }
-    Some(UNIX_EPOCH + Duration::from_secs(secs as u64) + Duration::from_nanos(nanos))
-}
-
-fn reset_in_ms(format: Format, value: &str, now: SystemTime) -> Option<u64> {
+fn reset_in_ms(format: Format, value: &str, now: UnixMs) -> Option<u64> {
     match format {
         Format::OpenAi => parse_go_duration(value),
         Format::Anthropic => {
-            parse_rfc3339(value).map(|t| t.duration_since(now).map(|d| d.as_millis() as u64).unwrap_or(0))
+            UnixMs::parse_rfc3339(value).map(|t| t.since(now))
         }
         Format::Gemini => None,
     }
@@ -243,7 +225,7 @@ pub fn classify_response(
     status: u16,
     header: &dyn Fn(&str) -> Option<String>,
     body: &[u8],
-    now: SystemTime,
+    now: UnixMs,
 ) -> Signal {
     let json: Option<Value> = serde_json::from_slice(body).ok();
     classify_parsed(format, status, header, json.as_ref(), body.is_empty(), now)
@@ -257,7 +239,7 @@ pub fn classify_parsed(
     header: &dyn Fn(&str) -> Option<String>,
     json: Option<&Value>,
     empty: bool,
-    now: SystemTime,
+    now: UnixMs,
 ) -> Signal {
     let err = json.and_then(|v| v.get("error"));
     let provider_error_type = err
@@ -419,7 +401,7 @@ impl RateLimitState {
 /// Anthropic's `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{remaining,reset}`
 /// (RFC 3339). Gemini sends none. For Anthropic the tightest token dimension counts: the
 /// request needs room in all of them.
-pub fn rate_limit_state(format: Format, header: &dyn Fn(&str) -> Option<String>, now: SystemTime) -> RateLimitState {
+pub fn rate_limit_state(format: Format, header: &dyn Fn(&str) -> Option<String>, now: UnixMs) -> RateLimitState {
     match format {
         Format::OpenAi => RateLimitState {
             remaining_requests: header_num(header, "x-ratelimit-remaining-requests"),
@@ -491,8 +473,12 @@ mod tests {
         move |n: &str| v.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone())
     }
 
-    fn now() -> SystemTime {
-        UNIX_EPOCH + Duration::from_secs(1_780_000_000)
+    fn now() -> UnixMs {
+        UnixMs(1_780_000_000_000)
+    }
+
+    fn http_date(t: UnixMs) -> String {
+        httpdate::fmt_http_date(t.to_system())
     }
 
     #[test]
@@ -500,9 +486,9 @@ mod tests {
         // spec: E1
         assert_eq!(parse_retry_after("7", now()), Some(7000));
         assert_eq!(parse_retry_after("1.5", now()), Some(1500));
-        let date = httpdate::fmt_http_date(now() + Duration::from_secs(30));
+        let date = http_date(UnixMs(now().0 + 30_000));
         assert_eq!(parse_retry_after(&date, now()), Some(30_000));
-        let past = httpdate::fmt_http_date(now() - Duration::from_secs(30));
+        let past = http_date(UnixMs(now().0 - 30_000));
         assert_eq!(parse_retry_after(&past, now()), Some(0));
         assert_eq!(parse_retry_after("soon", now()), None);
         assert_eq!(parse_retry_after("-3", now()), None);
@@ -517,15 +503,6 @@ mod tests {
         assert_eq!(parse_go_duration("30s"), Some(30_000));
         assert_eq!(parse_go_duration("x"), None);
         assert_eq!(parse_go_duration(""), None);
-    }
-
-    #[test]
-    fn rfc3339() {
-        let t = parse_rfc3339("2026-05-28T20:26:40Z").unwrap();
-        assert_eq!(t.duration_since(UNIX_EPOCH).unwrap().as_secs(), 1_780_000_000);
-        let t2 = parse_rfc3339("2026-05-28T22:26:40.5+02:00").unwrap();
-        assert_eq!(t2.duration_since(UNIX_EPOCH).unwrap().as_millis(), 1_780_000_000_500);
-        assert!(parse_rfc3339("yesterday").is_none());
     }
 
     #[test]
@@ -788,7 +765,7 @@ mod tests {
             fn retry_after_never_panics(v in ".{0,64}") {
                 let _ = parse_retry_after(&v, now());
                 let _ = parse_go_duration(&v);
-                let _ = parse_rfc3339(&v);
+                let _ = UnixMs::parse_rfc3339(&v);
             }
         }
     }
