@@ -4,15 +4,21 @@
 //! Writes go through one writer task that group-commits whatever is queued (one
 //! transaction, multi-row upserts), so the ledger keeps up with thousands of requests per
 //! second on two cores. A write that must be durable before the gateway proceeds (a
-//! request entering `calling_api`) waits for the commit that carries it.
+//! request entering `calling_api`) waits for the commit that carries it. One process
+//! writes a ledger: a lock file beside it keeps a second instance out.
 
+mod lock;
 mod record;
 mod sqlite;
 mod writer;
 
-pub use record::{AttemptRecord, Page, RequestRecord, RequestState, Search};
+pub use lock::LedgerLock;
+pub use record::{
+    AttemptRecord, Decision, FailureClass, GatewayClass, MAX_MESSAGE, Page, RequestRecord, RequestState, Search,
+    StopReason, truncate,
+};
 pub use sqlite::SqliteBackend;
-pub use writer::Ledger;
+pub use writer::{Ledger, LedgerHealth};
 
 use async_trait::async_trait;
 
@@ -26,6 +32,14 @@ pub enum Error {
     Directory { path: String, source: std::io::Error },
     #[error("the ledger writer has stopped")]
     WriterStopped,
+    #[error("ledger unavailable: {0}")]
+    Unavailable(String),
+    #[error(
+        "the ledger {path} is in use by another Spillway instance ({holder}); stop it first, or give this one its own ledger (--ledger)"
+    )]
+    Locked { path: String, holder: String },
+    #[error("cannot lock the ledger {path}: {source}")]
+    Lock { path: String, source: std::io::Error },
     #[error("ledger row is corrupt: {0}")]
     Corrupt(String),
 }

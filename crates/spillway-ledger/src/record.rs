@@ -1,4 +1,10 @@
+//! The ledger's vocabulary: a request's life (I3), each upstream attempt, why a request
+//! ended and what the gateway decided after each attempt. Every protocol word is an enum
+//! here, generated into the console's TypeScript (ts-rs), so the UI switches on the same
+//! values the ledger stores.
+
 use serde::{Deserialize, Serialize};
+use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
 use ts_rs::TS;
 
 /// The I3 life of a logical request.
@@ -18,11 +24,22 @@ pub enum RequestState {
     Done,
     /// Finished without a usable answer.
     Failed,
-    /// Outcome not known (found in `calling_api` after a restart); an owner reconciles it.
+    /// Outcome not known (an upstream call was cut by a crash or a shutdown); an owner
+    /// reconciles it.
     Unknown,
 }
 
 impl RequestState {
+    pub const ALL: [RequestState; 7] = [
+        RequestState::Received,
+        RequestState::CallingApi,
+        RequestState::ApiCompleted,
+        RequestState::SideEffectPending,
+        RequestState::Done,
+        RequestState::Failed,
+        RequestState::Unknown,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             RequestState::Received => "received",
@@ -36,20 +53,245 @@ impl RequestState {
     }
 
     pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "received" => RequestState::Received,
-            "calling_api" => RequestState::CallingApi,
-            "api_completed" => RequestState::ApiCompleted,
-            "side_effect_pending" => RequestState::SideEffectPending,
-            "done" => RequestState::Done,
-            "failed" => RequestState::Failed,
-            "unknown" => RequestState::Unknown,
-            _ => return None,
-        })
+        RequestState::ALL.into_iter().find(|v| v.as_str() == s)
+    }
+
+    /// Order along the I3 path. A request only moves forward: a write whose rank is lower
+    /// than the stored one is refused, and a finished request (rank 4) never changes
+    /// through the write path again.
+    pub fn rank(self) -> u8 {
+        match self {
+            RequestState::Received => 0,
+            RequestState::CallingApi => 1,
+            RequestState::ApiCompleted => 2,
+            RequestState::SideEffectPending => 3,
+            RequestState::Done | RequestState::Failed | RequestState::Unknown => 4,
+        }
+    }
+
+    pub fn is_final(self) -> bool {
+        self.rank() == 4
     }
 }
 
-/// One logical request, with the I1 fields. Times are unix milliseconds.
+/// Why a request ended on the gateway's side, before or around the upstream call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, TS)]
+#[serde(rename_all = "snake_case")]
+pub enum GatewayClass {
+    /// Missing or unknown gateway key (counted, not recorded per request).
+    ClientAuth,
+    /// The body is not one valid UTF-8 JSON value of the endpoint's shape.
+    InvalidBody,
+    /// The body is not `application/json`.
+    UnsupportedMediaType,
+    /// The body is over `max_body_bytes`.
+    PayloadTooLarge,
+    /// The client did not send its body within the body deadline.
+    BodyTimeout,
+    /// No channel speaks the format and serves the model.
+    NoChannel,
+    /// Every channel of the group was busy for the whole capacity wait (C2).
+    CapacityBusy,
+    /// The capacity queue was at its maximum length: refused at once (C2).
+    CapacityQueueFull,
+    /// The key's rate or concurrency limit (B2).
+    KeyLimited,
+    /// Every channel of the group is out of rotation (E2).
+    NoChannelInRotation,
+    /// The ledger could not record the request, so nothing was sent upstream.
+    LedgerUnavailable,
+    /// The client hung up before the answer was complete.
+    ClientDisconnected,
+    /// The client stopped reading its answer past the write deadline; its connection was
+    /// closed to free the channel and key slots.
+    ClientStalled,
+    /// The gateway was stopping; nothing was sent upstream.
+    Shutdown,
+    /// The gateway stopped (crash or shutdown) while the provider was being called: the
+    /// outcome is unknown.
+    Interrupted,
+    /// A bug: the gateway failed while handling the request (a panic). Answered 500.
+    InternalError,
+}
+
+impl GatewayClass {
+    pub const ALL: [GatewayClass; 16] = [
+        GatewayClass::ClientAuth,
+        GatewayClass::InvalidBody,
+        GatewayClass::UnsupportedMediaType,
+        GatewayClass::PayloadTooLarge,
+        GatewayClass::BodyTimeout,
+        GatewayClass::NoChannel,
+        GatewayClass::CapacityBusy,
+        GatewayClass::CapacityQueueFull,
+        GatewayClass::KeyLimited,
+        GatewayClass::NoChannelInRotation,
+        GatewayClass::LedgerUnavailable,
+        GatewayClass::ClientDisconnected,
+        GatewayClass::ClientStalled,
+        GatewayClass::Shutdown,
+        GatewayClass::Interrupted,
+        GatewayClass::InternalError,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GatewayClass::ClientAuth => "client_auth",
+            GatewayClass::InvalidBody => "invalid_body",
+            GatewayClass::UnsupportedMediaType => "unsupported_media_type",
+            GatewayClass::PayloadTooLarge => "payload_too_large",
+            GatewayClass::BodyTimeout => "body_timeout",
+            GatewayClass::NoChannel => "no_channel",
+            GatewayClass::CapacityBusy => "capacity_busy",
+            GatewayClass::CapacityQueueFull => "capacity_queue_full",
+            GatewayClass::KeyLimited => "key_limited",
+            GatewayClass::NoChannelInRotation => "no_channel_in_rotation",
+            GatewayClass::LedgerUnavailable => "ledger_unavailable",
+            GatewayClass::ClientDisconnected => "client_disconnected",
+            GatewayClass::ClientStalled => "client_stalled",
+            GatewayClass::Shutdown => "shutdown",
+            GatewayClass::Interrupted => "interrupted",
+            GatewayClass::InternalError => "internal_error",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<GatewayClass> {
+        GatewayClass::ALL.into_iter().find(|v| v.as_str() == s)
+    }
+}
+
+/// A request's `error_class`: the last attempt's upstream class (E2), or the gateway's own
+/// reason. The two vocabularies share no word, so one string names either.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, TS)]
+#[serde(untagged)]
+pub enum FailureClass {
+    Upstream(ErrorClass),
+    Gateway(GatewayClass),
+}
+
+impl FailureClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureClass::Upstream(c) => c.as_str(),
+            FailureClass::Gateway(c) => c.as_str(),
+        }
+    }
+
+    /// Reads a stored class; a word this version does not know (a row from another
+    /// version) reads as an unknown upstream outcome rather than failing the query.
+    pub fn parse(s: &str) -> FailureClass {
+        ErrorClass::parse(s)
+            .map(FailureClass::Upstream)
+            .or_else(|| GatewayClass::parse(s).map(FailureClass::Gateway))
+            .unwrap_or(FailureClass::Upstream(ErrorClass::Unknown))
+    }
+}
+
+impl From<ErrorClass> for FailureClass {
+    fn from(c: ErrorClass) -> Self {
+        FailureClass::Upstream(c)
+    }
+}
+
+impl From<GatewayClass> for FailureClass {
+    fn from(c: GatewayClass) -> Self {
+        FailureClass::Gateway(c)
+    }
+}
+
+/// What the gateway did after an attempt (F2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, TS)]
+#[serde(rename_all = "snake_case")]
+pub enum Decision {
+    /// The attempt answered; the request is done.
+    Done,
+    /// Tried the same channel again (after a short delay, or at once).
+    Retry,
+    /// Moved to another channel of the group at once (D1).
+    Failover,
+    /// Waited past F2's 2 s threshold with a durable `ready_at`, then retried.
+    Wait,
+    /// Stopped: the request ended with this attempt's failure (the reason says why).
+    FailClosed,
+    /// The provider's own 4xx went back to the client as it came (D3).
+    PassedThrough,
+}
+
+impl Decision {
+    pub const ALL: [Decision; 6] = [
+        Decision::Done,
+        Decision::Retry,
+        Decision::Failover,
+        Decision::Wait,
+        Decision::FailClosed,
+        Decision::PassedThrough,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decision::Done => "done",
+            Decision::Retry => "retry",
+            Decision::Failover => "failover",
+            Decision::Wait => "wait",
+            Decision::FailClosed => "fail_closed",
+            Decision::PassedThrough => "passed_through",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Decision> {
+        Decision::ALL.into_iter().find(|v| v.as_str() == s)
+    }
+}
+
+/// Why a request stopped being retried (F2's fail-closed reasons and the class rules).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, TS)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// Output already reached the client (H2): nothing is replayed.
+    PartialOutputCommitted,
+    /// `max_attempts` used up and no fallback contract applies.
+    AttemptBudgetExhausted,
+    /// The next attempt could not start before the request's deadline.
+    RetryAfterExceedsDeadline,
+    /// The outcome's class is never retried (D3, E2).
+    NotRetryable,
+    /// Every channel of the group is out of rotation (ejected or paced past the deadline).
+    NoChannelLeft,
+    /// The client went away or stopped reading; nobody was left to answer.
+    ClientGone,
+    /// The gateway stopped during the attempt; the provider's outcome is unknown.
+    Interrupted,
+}
+
+impl StopReason {
+    pub const ALL: [StopReason; 7] = [
+        StopReason::PartialOutputCommitted,
+        StopReason::AttemptBudgetExhausted,
+        StopReason::RetryAfterExceedsDeadline,
+        StopReason::NotRetryable,
+        StopReason::NoChannelLeft,
+        StopReason::ClientGone,
+        StopReason::Interrupted,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::PartialOutputCommitted => "partial_output_committed",
+            StopReason::AttemptBudgetExhausted => "attempt_budget_exhausted",
+            StopReason::RetryAfterExceedsDeadline => "retry_after_exceeds_deadline",
+            StopReason::NotRetryable => "not_retryable",
+            StopReason::NoChannelLeft => "no_channel_left",
+            StopReason::ClientGone => "client_gone",
+            StopReason::Interrupted => "interrupted",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<StopReason> {
+        StopReason::ALL.into_iter().find(|v| v.as_str() == s)
+    }
+}
+
+/// One logical request, with the I1 fields.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, TS)]
 pub struct RequestRecord {
     pub id: String,
@@ -59,7 +301,7 @@ pub struct RequestRecord {
     pub key_name: Option<String>,
     pub owner: Option<String>,
     pub workflow: Option<String>,
-    pub format: String,
+    pub format: Format,
     pub endpoint: String,
     pub route: Option<String>,
     pub channel: Option<String>,
@@ -68,28 +310,28 @@ pub struct RequestRecord {
     pub stream: bool,
     pub state: RequestState,
     pub http_status: Option<u16>,
-    pub error_class: Option<String>,
+    pub error_class: Option<FailureClass>,
     pub error_message: Option<String>,
     pub input_tokens: Option<u64>,
     pub output_tokens: Option<u64>,
     pub cached_input_tokens: Option<u64>,
     pub reasoning_tokens: Option<u64>,
     pub cost_usd: Option<f64>,
-    pub received_at: i64,
-    pub admitted_at: Option<i64>,
-    pub first_token_at: Option<i64>,
-    pub finished_at: Option<i64>,
+    pub received_at: UnixMs,
+    pub admitted_at: Option<UnixMs>,
+    pub first_token_at: Option<UnixMs>,
+    pub finished_at: Option<UnixMs>,
     pub queued_ms: Option<u64>,
     pub attempts: u32,
     pub body_sha256: Option<String>,
     pub partial_output_committed: bool,
-    /// While waiting to retry: the next attempt starts no earlier (F1, I5). Unix ms.
-    pub next_ready_at: Option<i64>,
+    /// While waiting to retry: the next attempt starts no earlier (F1, I5).
+    pub next_ready_at: Option<UnixMs>,
 }
 
 impl RequestRecord {
     /// A request just received: everything not known yet is empty.
-    pub fn received(id: String, trace_id: String, format: &str, endpoint: &str, received_at: i64) -> RequestRecord {
+    pub fn received(id: String, trace_id: String, format: Format, endpoint: &str, received_at: UnixMs) -> RequestRecord {
         RequestRecord {
             id,
             trace_id,
@@ -98,7 +340,7 @@ impl RequestRecord {
             key_name: None,
             owner: None,
             workflow: None,
-            format: format.to_owned(),
+            format,
             endpoint: endpoint.to_owned(),
             route: None,
             channel: None,
@@ -125,19 +367,72 @@ impl RequestRecord {
             next_ready_at: None,
         }
     }
-}
 
-impl RequestRecord {
-    /// Closes the request as failed at `at_ms`: every failure path (refused at ingress,
-    /// abandoned, out of attempts, passed-through provider 4xx, broken stream) ends here.
-    /// `http_status` is what the client was answered, if anyone was.
-    pub fn fail(&mut self, http_status: Option<u16>, class: impl Into<String>, message: impl Into<String>, at_ms: i64) {
-        self.state = RequestState::Failed;
+    /// Closes the request as failed at `at`: every failure path ends here. `http_status`
+    /// is what the client was answered, if anyone was.
+    pub fn fail(&mut self, http_status: Option<u16>, class: impl Into<FailureClass>, message: impl Into<String>, at: UnixMs) {
+        self.end(RequestState::Failed, http_status, class, message, at);
+    }
+
+    /// Closes the request in `state` (`failed` or `unknown`) with its reason.
+    pub fn end(
+        &mut self,
+        state: RequestState,
+        http_status: Option<u16>,
+        class: impl Into<FailureClass>,
+        message: impl Into<String>,
+        at: UnixMs,
+    ) {
+        self.state = state;
         self.http_status = http_status;
         self.error_class = Some(class.into());
         self.error_message = Some(message.into());
-        self.finished_at = Some(at_ms);
+        self.finished_at = Some(at);
         self.next_ready_at = None;
+    }
+
+    /// Every text field within its stored bound, so that nothing a client or a provider
+    /// sends can grow a row without limit. The writer applies it to every row.
+    pub fn cap_fields(&mut self) {
+        cap(&mut self.id, 64);
+        cap(&mut self.trace_id, 64);
+        cap_opt(&mut self.client_request_id, 256);
+        cap_opt(&mut self.upstream_request_id, 256);
+        cap_opt(&mut self.key_name, 128);
+        cap_opt(&mut self.owner, 128);
+        cap_opt(&mut self.workflow, 128);
+        cap(&mut self.endpoint, 320);
+        cap_opt(&mut self.route, 300);
+        cap_opt(&mut self.channel, 128);
+        cap_opt(&mut self.requested_model, 256);
+        cap_opt(&mut self.served_model, 256);
+        cap_opt(&mut self.error_message, MAX_MESSAGE);
+        cap_opt(&mut self.body_sha256, 64);
+    }
+}
+
+/// Longest message kept for a request or an attempt.
+pub const MAX_MESSAGE: usize = 512;
+
+/// Cuts `s` to at most `max` bytes, on a character boundary.
+pub fn truncate(mut s: String, max: usize) -> String {
+    cap(&mut s, max);
+    s
+}
+
+fn cap(s: &mut String, max: usize) {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
+}
+
+fn cap_opt(s: &mut Option<String>, max: usize) {
+    if let Some(s) = s {
+        cap(s, max);
     }
 }
 
@@ -149,28 +444,61 @@ pub struct AttemptRecord {
     pub channel: String,
     pub upstream_request_id: Option<String>,
     pub http_status: Option<u16>,
-    pub error_class: String,
+    pub error_class: ErrorClass,
     pub provider_error_type: Option<String>,
     pub retry_after_ms: Option<u64>,
     pub message: Option<String>,
-    pub started_at: i64,
-    pub first_byte_at: Option<i64>,
-    pub finished_at: Option<i64>,
+    pub started_at: UnixMs,
+    pub first_byte_at: Option<UnixMs>,
+    pub finished_at: Option<UnixMs>,
     pub input_tokens: Option<u64>,
     pub output_tokens: Option<u64>,
-    /// What the gateway did after this attempt (F2): `done`, `retry`, `failover`, `wait`,
-    /// `fail_closed` or `passed_through` (the provider's own 4xx, D3).
-    pub decision: Option<String>,
-    /// Why, for `fail_closed` and waits: `partial_output_committed`,
-    /// `attempt_budget_exhausted`, `retry_after_exceeds_deadline`, `not_retryable`, …
-    pub decision_reason: Option<String>,
+    /// What the gateway did after this attempt (F2).
+    pub decision: Option<Decision>,
+    /// Why, when the decision is to stop.
+    pub decision_reason: Option<StopReason>,
     /// The pause before the next attempt.
     pub delay_ms: Option<u64>,
-    /// Unix ms: the next attempt starts no earlier (F1).
-    pub ready_at: Option<i64>,
-    /// E1, for a failed attempt: whether the client had seen output (`before_first_token`,
-    /// `after_partial_output`).
-    pub visibility: Option<String>,
+    /// The next attempt starts no earlier (F1).
+    pub ready_at: Option<UnixMs>,
+    /// E1, for a failed attempt: whether the client had seen output.
+    pub visibility: Option<Visibility>,
+}
+
+impl AttemptRecord {
+    /// Attempt `attempt_no` of `request_id` on `channel`, started at `started_at`; its
+    /// outcome is filled in as it ends.
+    pub fn started(request_id: &str, attempt_no: u32, channel: &str, started_at: UnixMs) -> AttemptRecord {
+        AttemptRecord {
+            request_id: request_id.to_owned(),
+            attempt_no,
+            channel: channel.to_owned(),
+            upstream_request_id: None,
+            http_status: None,
+            error_class: ErrorClass::Unknown,
+            provider_error_type: None,
+            retry_after_ms: None,
+            message: None,
+            started_at,
+            first_byte_at: None,
+            finished_at: None,
+            input_tokens: None,
+            output_tokens: None,
+            decision: None,
+            decision_reason: None,
+            delay_ms: None,
+            ready_at: None,
+            visibility: None,
+        }
+    }
+
+    pub fn cap_fields(&mut self) {
+        cap(&mut self.request_id, 64);
+        cap(&mut self.channel, 128);
+        cap_opt(&mut self.upstream_request_id, 256);
+        cap_opt(&mut self.provider_error_type, 128);
+        cap_opt(&mut self.message, MAX_MESSAGE);
+    }
 }
 
 /// A ledger search (the console's explorer). Every filter is optional; results come
@@ -183,10 +511,10 @@ pub struct Search {
     /// `provider/model`, as in `x-spillway-route`.
     pub route: Option<String>,
     pub state: Option<RequestState>,
-    /// Unix milliseconds, inclusive.
-    pub from_ms: Option<i64>,
-    /// Unix milliseconds, exclusive.
-    pub to_ms: Option<i64>,
+    /// Inclusive.
+    pub from_ms: Option<UnixMs>,
+    /// Exclusive.
+    pub to_ms: Option<UnixMs>,
     pub before: Option<String>,
     pub limit: Option<u32>,
 }
@@ -197,4 +525,49 @@ pub struct Page {
     pub items: Vec<RequestRecord>,
     /// Pass as `before` for the next page; absent on the last page.
     pub next: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failure_classes_read_back_from_their_words() {
+        for c in ErrorClass::ALL {
+            assert_eq!(FailureClass::parse(c.as_str()), FailureClass::Upstream(c));
+        }
+        for c in GatewayClass::ALL {
+            assert_eq!(FailureClass::parse(c.as_str()), FailureClass::Gateway(c));
+            assert!(ErrorClass::parse(c.as_str()).is_none(), "{} names both", c.as_str());
+        }
+        assert_eq!(
+            FailureClass::parse("a-word-from-the-future"),
+            FailureClass::Upstream(ErrorClass::Unknown)
+        );
+        let json = serde_json::to_string(&FailureClass::Gateway(GatewayClass::ClientStalled)).unwrap();
+        assert_eq!(json, "\"client_stalled\"");
+        let back: FailureClass = serde_json::from_str("\"rate_limit\"").unwrap();
+        assert_eq!(back, FailureClass::Upstream(ErrorClass::RateLimit));
+    }
+
+    #[test]
+    fn states_only_move_forward() {
+        use RequestState::*;
+        assert!(Received.rank() < CallingApi.rank());
+        assert!(CallingApi.rank() < Done.rank());
+        assert!(Done.is_final() && Failed.is_final() && Unknown.is_final());
+        for s in RequestState::ALL {
+            assert_eq!(RequestState::parse(s.as_str()), Some(s));
+        }
+    }
+
+    #[test]
+    fn fields_are_capped_on_char_boundaries() {
+        let mut r = RequestRecord::received("id".into(), "t".into(), Format::OpenAi, "/e", UnixMs(1));
+        r.client_request_id = Some("é".repeat(200));
+        r.error_message = Some("x".repeat(10_000));
+        r.cap_fields();
+        assert!(r.client_request_id.as_ref().unwrap().len() <= 256);
+        assert_eq!(r.error_message.as_ref().unwrap().len(), MAX_MESSAGE);
+    }
 }

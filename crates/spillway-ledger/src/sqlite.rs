@@ -1,7 +1,13 @@
 //! SQLite in WAL mode: one writer connection owned by the writer task's batches, a small
-//! read pool, and checkpoints on their own connection so commits stay short.
+//! read pool, and checkpoints on their own connection so commits stay short. Commits are
+//! `synchronous=FULL`: a `calling_api` that was acknowledged survives a power loss, not
+//! just a killed process.
 
-use crate::{AttemptRecord, Error, LedgerBackend, Page, RequestRecord, RequestState, Result, Search};
+use crate::{
+    AttemptRecord, Decision, Error, FailureClass, LedgerBackend, LedgerLock, Page, RequestRecord, RequestState, Result,
+    Search, StopReason,
+};
+use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
 use async_trait::async_trait;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, Connection, QueryBuilder, Row, Sqlite, SqliteConnection, SqlitePool};
@@ -39,6 +45,15 @@ const IMMUTABLE_REQUEST_COLUMNS: &[&str] = &[
     "endpoint",
 ];
 
+/// A state's place on the I3 path, in SQL (see [`RequestState::rank`]).
+fn rank_sql(column: &str) -> String {
+    let arms: String = RequestState::ALL
+        .iter()
+        .map(|s| format!(" WHEN '{}' THEN {}", s.as_str(), s.rank()))
+        .collect();
+    format!("(CASE {column}{arms} ELSE 0 END)")
+}
+
 static REQUEST_UPSERT: LazyLock<String> = LazyLock::new(|| {
     let sets: Vec<String> = REQUEST_COLUMNS
         .split(',')
@@ -46,7 +61,14 @@ static REQUEST_UPSERT: LazyLock<String> = LazyLock::new(|| {
         .filter(|c| !IMMUTABLE_REQUEST_COLUMNS.contains(c))
         .map(|c| format!("{c} = excluded.{c}"))
         .collect();
-    format!(" ON CONFLICT(id) DO UPDATE SET {}", sets.join(", "))
+    // The store itself refuses to move a request backwards: a finished row never changes
+    // through the write path, and an earlier state never overwrites a later one.
+    format!(
+        " ON CONFLICT(id) DO UPDATE SET {} WHERE {old} < 4 AND {new} >= {old}",
+        sets.join(", "),
+        old = rank_sql("requests.state"),
+        new = rank_sql("excluded.state"),
+    )
 });
 
 const ATTEMPT_COLUMNS: &str = "request_id, attempt_no, channel, upstream_request_id, http_status, error_class, \
@@ -54,6 +76,8 @@ const ATTEMPT_COLUMNS: &str = "request_id, attempt_no, channel, upstream_request
     decision, decision_reason, delay_ms, ready_at, visibility";
 
 pub struct SqliteBackend {
+    /// Held as long as the backend lives: one writing process per ledger.
+    _lock: LedgerLock,
     writer: Mutex<SqliteConnection>,
     readers: SqlitePool,
     /// Checkpoints need a writable connection that is not the writer's.
@@ -71,7 +95,8 @@ fn u(v: Option<i64>) -> Option<u64> {
 }
 
 impl SqliteBackend {
-    /// Opens (creating if needed) the ledger file at `path` and applies migrations.
+    /// Takes the ledger's lock, opens (creating if needed) the ledger file at `path` and
+    /// applies migrations.
     pub async fn open(path: &Path) -> Result<SqliteBackend> {
         if let Some(dir) = path.parent()
             && !dir.as_os_str().is_empty()
@@ -81,17 +106,20 @@ impl SqliteBackend {
                 source,
             })?;
         }
+        let lock = LedgerLock::acquire(path)?;
         let base = SqliteConnectOptions::from_str("sqlite://")?
             .filename(path)
             .journal_mode(SqliteJournalMode::Wal)
-            // WAL + NORMAL: a commit survives a process crash; only power loss can take
-            // the last transactions, which the fsync on checkpoint bounds.
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(5));
         let mut writer = SqliteConnection::connect_with(
             &base
                 .clone()
                 .create_if_missing(true)
+                // WAL + FULL: each commit syncs the WAL, so what the writer acknowledged
+                // (a durable `calling_api` above all) survives power loss. NORMAL would
+                // only survive a crashed process.
+                .synchronous(SqliteSynchronous::Full)
                 .pragma("wal_autocheckpoint", "0")
                 // After a WAL restart the file is cut back to this size, so one burst
                 // does not keep its disk space for good.
@@ -105,6 +133,7 @@ impl SqliteBackend {
             .connect_with(base.read_only(true))
             .await?;
         Ok(SqliteBackend {
+            _lock: lock,
             writer: Mutex::new(writer),
             readers,
             maintenance: Mutex::new(maintenance),
@@ -113,8 +142,13 @@ impl SqliteBackend {
     }
 }
 
+fn ms(v: Option<i64>) -> Option<UnixMs> {
+    v.map(UnixMs)
+}
+
 fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
     let state: String = r.try_get("state")?;
+    let format: String = r.try_get("format")?;
     Ok(RequestRecord {
         id: r.try_get("id")?,
         trace_id: r.try_get("trace_id")?,
@@ -123,7 +157,9 @@ fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
         key_name: r.try_get("key_name")?,
         owner: r.try_get("owner")?,
         workflow: r.try_get("workflow")?,
-        format: r.try_get("format")?,
+        format: format
+            .parse::<Format>()
+            .map_err(|_| Error::Corrupt(format!("unknown format `{format}`")))?,
         endpoint: r.try_get("endpoint")?,
         route: r.try_get("route")?,
         channel: r.try_get("channel")?,
@@ -132,22 +168,24 @@ fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
         stream: r.try_get("stream")?,
         state: RequestState::parse(&state).ok_or_else(|| Error::Corrupt(format!("unknown state `{state}`")))?,
         http_status: r.try_get::<Option<i64>, _>("http_status")?.map(|v| v as u16),
-        error_class: r.try_get("error_class")?,
+        error_class: r
+            .try_get::<Option<String>, _>("error_class")?
+            .map(|c| FailureClass::parse(&c)),
         error_message: r.try_get("error_message")?,
         input_tokens: u(r.try_get("input_tokens")?),
         output_tokens: u(r.try_get("output_tokens")?),
         cached_input_tokens: u(r.try_get("cached_input_tokens")?),
         reasoning_tokens: u(r.try_get("reasoning_tokens")?),
         cost_usd: r.try_get("cost_usd")?,
-        received_at: r.try_get("received_at")?,
-        admitted_at: r.try_get("admitted_at")?,
-        first_token_at: r.try_get("first_token_at")?,
-        finished_at: r.try_get("finished_at")?,
+        received_at: UnixMs(r.try_get("received_at")?),
+        admitted_at: ms(r.try_get("admitted_at")?),
+        first_token_at: ms(r.try_get("first_token_at")?),
+        finished_at: ms(r.try_get("finished_at")?),
         queued_ms: u(r.try_get("queued_ms")?),
         attempts: r.try_get::<i64, _>("attempts")? as u32,
         body_sha256: r.try_get("body_sha256")?,
         partial_output_committed: r.try_get("partial_output_committed")?,
-        next_ready_at: r.try_get("next_ready_at")?,
+        next_ready_at: ms(r.try_get("next_ready_at")?),
     })
 }
 
@@ -158,20 +196,26 @@ fn attempt_from_row(r: &SqliteRow) -> Result<AttemptRecord> {
         channel: r.try_get("channel")?,
         upstream_request_id: r.try_get("upstream_request_id")?,
         http_status: r.try_get::<Option<i64>, _>("http_status")?.map(|v| v as u16),
-        error_class: r.try_get("error_class")?,
+        error_class: ErrorClass::parse(&r.try_get::<String, _>("error_class")?).unwrap_or(ErrorClass::Unknown),
         provider_error_type: r.try_get("provider_error_type")?,
         retry_after_ms: u(r.try_get("retry_after_ms")?),
         message: r.try_get("message")?,
-        started_at: r.try_get("started_at")?,
-        first_byte_at: r.try_get("first_byte_at")?,
-        finished_at: r.try_get("finished_at")?,
+        started_at: UnixMs(r.try_get("started_at")?),
+        first_byte_at: ms(r.try_get("first_byte_at")?),
+        finished_at: ms(r.try_get("finished_at")?),
         input_tokens: u(r.try_get("input_tokens")?),
         output_tokens: u(r.try_get("output_tokens")?),
-        decision: r.try_get("decision")?,
-        decision_reason: r.try_get("decision_reason")?,
+        decision: r
+            .try_get::<Option<String>, _>("decision")?
+            .and_then(|d| Decision::parse(&d)),
+        decision_reason: r
+            .try_get::<Option<String>, _>("decision_reason")?
+            .and_then(|d| StopReason::parse(&d)),
         delay_ms: u(r.try_get("delay_ms")?),
-        ready_at: r.try_get("ready_at")?,
-        visibility: r.try_get("visibility")?,
+        ready_at: ms(r.try_get("ready_at")?),
+        visibility: r
+            .try_get::<Option<String>, _>("visibility")?
+            .and_then(|v| Visibility::parse(&v)),
     })
 }
 
@@ -185,7 +229,7 @@ fn upsert_requests(chunk: &[RequestRecord]) -> QueryBuilder<Sqlite> {
             .push_bind(r.key_name.clone())
             .push_bind(r.owner.clone())
             .push_bind(r.workflow.clone())
-            .push_bind(r.format.clone())
+            .push_bind(r.format.as_str())
             .push_bind(r.endpoint.clone())
             .push_bind(r.route.clone())
             .push_bind(r.channel.clone())
@@ -194,22 +238,22 @@ fn upsert_requests(chunk: &[RequestRecord]) -> QueryBuilder<Sqlite> {
             .push_bind(r.stream)
             .push_bind(r.state.as_str())
             .push_bind(r.http_status.map(i64::from))
-            .push_bind(r.error_class.clone())
+            .push_bind(r.error_class.map(FailureClass::as_str))
             .push_bind(r.error_message.clone())
             .push_bind(i(r.input_tokens))
             .push_bind(i(r.output_tokens))
             .push_bind(i(r.cached_input_tokens))
             .push_bind(i(r.reasoning_tokens))
             .push_bind(r.cost_usd)
-            .push_bind(r.received_at)
-            .push_bind(r.admitted_at)
-            .push_bind(r.first_token_at)
-            .push_bind(r.finished_at)
+            .push_bind(r.received_at.0)
+            .push_bind(r.admitted_at.map(|t| t.0))
+            .push_bind(r.first_token_at.map(|t| t.0))
+            .push_bind(r.finished_at.map(|t| t.0))
             .push_bind(i(r.queued_ms))
             .push_bind(i64::from(r.attempts))
             .push_bind(r.body_sha256.clone())
             .push_bind(r.partial_output_committed)
-            .push_bind(r.next_ready_at);
+            .push_bind(r.next_ready_at.map(|t| t.0));
     });
     q.push(&*REQUEST_UPSERT);
     q
@@ -224,27 +268,27 @@ fn insert_attempts(chunk: &[AttemptRecord]) -> QueryBuilder<Sqlite> {
             .push_bind(a.channel.clone())
             .push_bind(a.upstream_request_id.clone())
             .push_bind(a.http_status.map(i64::from))
-            .push_bind(a.error_class.clone())
+            .push_bind(a.error_class.as_str())
             .push_bind(a.provider_error_type.clone())
             .push_bind(i(a.retry_after_ms))
             .push_bind(a.message.clone())
-            .push_bind(a.started_at)
-            .push_bind(a.first_byte_at)
-            .push_bind(a.finished_at)
+            .push_bind(a.started_at.0)
+            .push_bind(a.first_byte_at.map(|t| t.0))
+            .push_bind(a.finished_at.map(|t| t.0))
             .push_bind(i(a.input_tokens))
             .push_bind(i(a.output_tokens))
-            .push_bind(a.decision.clone())
-            .push_bind(a.decision_reason.clone())
+            .push_bind(a.decision.map(Decision::as_str))
+            .push_bind(a.decision_reason.map(StopReason::as_str))
             .push_bind(i(a.delay_ms))
-            .push_bind(a.ready_at)
-            .push_bind(a.visibility.clone());
+            .push_bind(a.ready_at.map(|t| t.0))
+            .push_bind(a.visibility.map(Visibility::as_str));
     });
     q
 }
 
 /// The smallest UUIDv7 string of millisecond `ms`: ids compare as strings in time order.
-fn uuid_floor(ms: i64) -> String {
-    let ms = ms.clamp(0, (1 << 48) - 1) as u64;
+fn uuid_floor(at: UnixMs) -> String {
+    let ms = at.0.clamp(0, (1 << 48) - 1) as u64;
     format!("{:08x}-{:04x}-0000-0000-000000000000", ms >> 16, ms & 0xffff)
 }
 

@@ -1,21 +1,39 @@
 //! The single writer task and the [`Ledger`] handle the engine holds.
+//!
+//! Every write goes through one FIFO queue to one writer task, so a request's states reach
+//! the store in the order they happened, whatever the load: a full queue makes the writers
+//! that can wait wait (backpressure), and nothing is ever handed to a spawned task that
+//! might overtake an earlier write. The writer merges what it takes into a pending batch
+//! (the latest state per request, never an earlier one) and group-commits it. When a
+//! commit fails (disk full, read-only file, a lock held elsewhere) the batch stays pending
+//! — the spool — and is retried until the store takes it; meanwhile the ledger reports
+//! itself unhealthy, durable writes are refused at once (so the gateway answers 503
+//! instead of calling a provider it cannot account for) and the spool is bounded.
 
 use crate::{AttemptRecord, Error, LedgerBackend, Page, RequestRecord, Result, Search, SqliteBackend};
-use std::collections::HashMap;
+use serde::Serialize;
+use spillway_wire::UnixMs;
+use std::collections::{HashMap, VecDeque};
 use std::path::Path;
-use std::sync::Arc;
-use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+use tokio::sync::{Notify, oneshot, watch};
 use tokio::task::JoinHandle;
+use ts_rs::TS;
 
 /// Most operations folded into one commit. Bigger batches amortise more but make the
 /// durable waiters of the batch wait longer.
 const MAX_BATCH: usize = 2048;
-/// Queued operations before senders wait: backpressure rather than unbounded memory.
+/// Queued operations before writers that can wait do wait.
 const QUEUE_DEPTH: usize = 65_536;
+/// Rows held for a store that refuses writes; past this the writer stops taking from the
+/// queue, which then fills and holds its writers back.
+const SPOOL_MAX: usize = 100_000;
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 /// How long fire-and-forget writes wait for a durable write to share a commit with.
 const LINGER: Duration = Duration::from_millis(20);
+/// Between two tries of a store that refused a commit.
+const RETRY_EVERY: Duration = Duration::from_millis(500);
 
 enum Op {
     Request(Box<RequestRecord>, Option<oneshot::Sender<Result<()>>>),
@@ -29,17 +47,197 @@ impl Op {
     }
 }
 
+/// Whether the ledger is taking writes, as the console and the alerts show it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, TS)]
+pub struct LedgerHealth {
+    /// Commits are succeeding.
+    pub ok: bool,
+    /// Since when commits have been failing.
+    pub failing_since: Option<UnixMs>,
+    /// The store's last refusal (e.g. `database or disk is full`).
+    pub error: Option<String>,
+    /// Records waiting to be written (the spool), while commits fail.
+    pub waiting: u64,
+}
+
+impl LedgerHealth {
+    fn healthy() -> LedgerHealth {
+        LedgerHealth {
+            ok: true,
+            ..LedgerHealth::default()
+        }
+    }
+}
+
+struct QueueState {
+    ops: VecDeque<Op>,
+    closed: bool,
+}
+
+/// The FIFO between the request path and the writer.
+struct Queue {
+    state: Mutex<QueueState>,
+    /// Queued operations before writers that can wait do wait.
+    depth: usize,
+    /// How often a writer had to wait for room (backpressure at work).
+    held_back: std::sync::atomic::AtomicU64,
+    /// The writer waits here for work.
+    work: Notify,
+    /// Writers held back by a full queue wait here.
+    space: Notify,
+}
+
+impl Queue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `op`, waiting while the queue is full.
+    async fn push(&self, op: Op) -> Result<()> {
+        loop {
+            let space = self.space.notified();
+            tokio::pin!(space);
+            space.as_mut().enable();
+            {
+                let mut q = self.lock();
+                if q.closed {
+                    return Err(Error::WriterStopped);
+                }
+                if q.ops.len() < self.depth {
+                    q.ops.push_back(op);
+                    drop(q);
+                    self.work.notify_one();
+                    return Ok(());
+                }
+            }
+            self.held_back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            space.await;
+        }
+    }
+
+    /// Queues `op` at once, full or not. For code that cannot wait (a stream's end runs
+    /// in `poll` or `drop`); such writes are bounded by the streams in flight.
+    fn push_now(&self, op: Op) -> Result<()> {
+        let mut q = self.lock();
+        if q.closed {
+            return Err(Error::WriterStopped);
+        }
+        q.ops.push_back(op);
+        drop(q);
+        self.work.notify_one();
+        Ok(())
+    }
+
+    /// Up to `max` queued operations, oldest first; `None` once closed and empty.
+    fn take(&self, max: usize, into: &mut Vec<Op>) -> Option<usize> {
+        let mut q = self.lock();
+        if q.ops.is_empty() && q.closed {
+            return None;
+        }
+        let n = q.ops.len().min(max);
+        into.extend(q.ops.drain(..n));
+        drop(q);
+        if n > 0 {
+            self.space.notify_waiters();
+        }
+        Some(n)
+    }
+
+    /// Waits until something is queued (or the queue closes).
+    async fn ready(&self) {
+        loop {
+            let work = self.work.notified();
+            tokio::pin!(work);
+            work.as_mut().enable();
+            {
+                let q = self.lock();
+                if !q.ops.is_empty() || q.closed {
+                    return;
+                }
+            }
+            work.await;
+        }
+    }
+
+    fn close(&self) {
+        self.lock().closed = true;
+        self.work.notify_one();
+        self.space.notify_waiters();
+    }
+}
+
+/// What the writer holds between taking operations and a successful commit.
+#[derive(Default)]
+struct Pending {
+    requests: Vec<RequestRecord>,
+    index: HashMap<String, usize>,
+    attempts: Vec<AttemptRecord>,
+    acks: Vec<oneshot::Sender<Result<()>>>,
+}
+
+impl Pending {
+    fn rows(&self) -> usize {
+        self.requests.len() + self.attempts.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.rows() == 0 && self.acks.is_empty()
+    }
+
+    fn add(&mut self, op: Op) {
+        match op {
+            Op::Request(rec, ack) => {
+                let mut rec = *rec;
+                rec.cap_fields();
+                // Rows carry their full latest state, so one per id is written; a state
+                // behind the one already pending (a write that lost a race) is dropped.
+                match self.index.get(&rec.id) {
+                    Some(&i) if rec.state.rank() >= self.requests[i].state.rank() => self.requests[i] = rec,
+                    Some(_) => {}
+                    None => {
+                        self.index.insert(rec.id.clone(), self.requests.len());
+                        self.requests.push(rec);
+                    }
+                }
+                if let Some(a) = ack {
+                    self.acks.push(a);
+                }
+            }
+            Op::Attempt(a) => {
+                let mut a = *a;
+                a.cap_fields();
+                self.attempts.push(a);
+            }
+            Op::Flush(a) => self.acks.push(a),
+        }
+    }
+
+    fn answer(&mut self, result: std::result::Result<(), &str>) {
+        for a in self.acks.drain(..) {
+            let _ = a.send(result.map_err(|e| Error::Unavailable(e.to_owned())));
+        }
+    }
+
+    fn clear(&mut self) {
+        self.requests.clear();
+        self.index.clear();
+        self.attempts.clear();
+    }
+}
+
 /// The engine's handle on the ledger. Cheap to clone.
 #[derive(Clone)]
 pub struct Ledger {
-    tx: mpsc::Sender<Op>,
+    queue: Arc<Queue>,
     backend: Arc<dyn LedgerBackend>,
-    tasks: Arc<std::sync::Mutex<Vec<JoinHandle<()>>>>,
+    health: watch::Receiver<LedgerHealth>,
+    tasks: Arc<Mutex<Vec<JoinHandle<()>>>>,
 }
 
 impl Ledger {
-    /// Opens a SQLite ledger at `path`, turns requests a crash left in `calling_api` into
-    /// `unknown` (I4), and starts the writer.
+    /// Opens a SQLite ledger at `path` — taking its lock first, so a second instance is
+    /// refused before it touches a row — turns requests a crash left in `calling_api`
+    /// into `unknown` (I4), and starts the writer.
     pub async fn open_sqlite(path: &Path) -> Result<Ledger> {
         let backend = SqliteBackend::open(path).await?;
         let unknown = backend.mark_interrupted_unknown().await?;
@@ -54,8 +252,22 @@ impl Ledger {
 
     /// Starts the writer over any backend.
     pub fn start(backend: Arc<dyn LedgerBackend>) -> Ledger {
-        let (tx, rx) = mpsc::channel(QUEUE_DEPTH);
-        let writer = tokio::spawn(write_loop(backend.clone(), rx));
+        Ledger::start_with_depth(backend, QUEUE_DEPTH)
+    }
+
+    fn start_with_depth(backend: Arc<dyn LedgerBackend>, depth: usize) -> Ledger {
+        let queue = Arc::new(Queue {
+            state: Mutex::new(QueueState {
+                ops: VecDeque::new(),
+                closed: false,
+            }),
+            depth,
+            held_back: Default::default(),
+            work: Notify::new(),
+            space: Notify::new(),
+        });
+        let (health_tx, health) = watch::channel(LedgerHealth::healthy());
+        let writer = tokio::spawn(write_loop(backend.clone(), queue.clone(), health_tx));
         let b = backend.clone();
         let checkpoints = tokio::spawn(async move {
             let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
@@ -63,85 +275,106 @@ impl Ledger {
             loop {
                 tick.tick().await;
                 if let Err(e) = b.maintain().await {
-                    tracing::warn!(error = %e, "ledger checkpoint failed");
+                    tracing::debug!(error = %e, "ledger checkpoint failed");
                 }
             }
         });
         Ledger {
-            tx,
+            queue,
             backend,
-            tasks: Arc::new(std::sync::Mutex::new(vec![writer, checkpoints])),
+            health,
+            tasks: Arc::new(Mutex::new(vec![writer, checkpoints])),
         }
+    }
+
+    /// Whether commits are succeeding right now.
+    pub fn health(&self) -> LedgerHealth {
+        self.health.borrow().clone()
+    }
+
+    /// Health changes as they happen (the engine raises alerts from them).
+    pub fn watch_health(&self) -> watch::Receiver<LedgerHealth> {
+        self.health.clone()
     }
 
     /// Records `rec` and returns once it is committed. Used before an upstream call (I3).
+    /// Refused at once while the store refuses commits: a state that is not durable is
+    /// never acknowledged.
     pub async fn put_request_durable(&self, rec: RequestRecord) -> Result<()> {
+        let refusing = {
+            let h = self.health.borrow();
+            (!h.ok).then(|| h.error.clone().unwrap_or_default())
+        };
+        if let Some(why) = refusing {
+            return Err(Error::Unavailable(why));
+        }
         let (ack, done) = oneshot::channel();
-        self.tx
-            .send(Op::Request(Box::new(rec), Some(ack)))
-            .await
-            .map_err(|_| Error::WriterStopped)?;
+        self.queue.push(Op::Request(Box::new(rec), Some(ack))).await?;
         done.await.map_err(|_| Error::WriterStopped)?
     }
 
-    /// Records `rec` with the next commit.
+    /// Records `rec` with the next commit, waiting while the queue is full.
     pub async fn put_request(&self, rec: RequestRecord) -> Result<()> {
-        self.tx
-            .send(Op::Request(Box::new(rec), None))
-            .await
-            .map_err(|_| Error::WriterStopped)
-    }
-
-    /// Records `rec` with the next commit, from code that cannot wait (a stream's end runs
-    /// in `poll`/`drop`). Queued in order at once, so a flush that follows sees it; only a
-    /// full queue defers it to a task.
-    pub fn enqueue_request(&self, rec: RequestRecord) {
-        self.enqueue(Op::Request(Box::new(rec), None));
-    }
-
-    pub fn enqueue_attempt(&self, rec: AttemptRecord) {
-        self.enqueue(Op::Attempt(Box::new(rec)));
-    }
-
-    fn enqueue(&self, op: Op) {
-        match self.tx.try_send(op) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(op)) => {
-                let tx = self.tx.clone();
-                tokio::spawn(async move {
-                    let _ = tx.send(op).await;
-                });
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => tracing::error!("ledger writer stopped; a record was lost"),
-        }
+        self.queue.push(Op::Request(Box::new(rec), None)).await
     }
 
     pub async fn put_attempt(&self, rec: AttemptRecord) -> Result<()> {
-        self.tx
-            .send(Op::Attempt(Box::new(rec)))
-            .await
-            .map_err(|_| Error::WriterStopped)
+        self.queue.push(Op::Attempt(Box::new(rec))).await
+    }
+
+    /// Records `rec` with the next commit, from code that cannot wait (a stream's end runs
+    /// in `poll`/`drop`). Queued in order at once, so a flush that follows sees it.
+    pub fn enqueue_request(&self, rec: RequestRecord) {
+        if self.queue.push_now(Op::Request(Box::new(rec), None)).is_err() {
+            tracing::error!("ledger writer stopped; a request record was lost");
+        }
+    }
+
+    pub fn enqueue_attempt(&self, rec: AttemptRecord) {
+        if self.queue.push_now(Op::Attempt(Box::new(rec))).is_err() {
+            tracing::error!("ledger writer stopped; an attempt record was lost");
+        }
     }
 
     /// Waits until everything queued so far is committed.
     pub async fn flush(&self) -> Result<()> {
         let (ack, done) = oneshot::channel();
-        self.tx.send(Op::Flush(ack)).await.map_err(|_| Error::WriterStopped)?;
+        self.queue.push(Op::Flush(ack)).await?;
         done.await.map_err(|_| Error::WriterStopped)?
     }
 
-    /// Flushes, then stops the background tasks. Clones of this handle stop working.
-    pub async fn close(&self) -> Result<()> {
-        let r = self.flush().await;
-        let _ = self.backend.maintain().await;
-        for t in self
-            .tasks
-            .lock()
-            .map(|mut t| std::mem::take(&mut *t))
-            .unwrap_or_default()
-        {
+    /// Flushes (giving a store that refuses commits `patience` to recover), then stops the
+    /// background tasks. Clones of this handle stop working.
+    pub async fn close(&self, patience: Duration) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + patience;
+        let r = loop {
+            match tokio::time::timeout_at(deadline, self.flush()).await {
+                Ok(Ok(())) => break Ok(()),
+                Ok(Err(e)) if tokio::time::Instant::now() < deadline => {
+                    tracing::warn!(error = %e, "ledger flush failed at shutdown; retrying");
+                    tokio::time::sleep(RETRY_EVERY).await;
+                }
+                Ok(Err(e)) => break Err(e),
+                Err(_) => break Err(Error::Unavailable("the ledger did not accept the final flush in time".into())),
+            }
+        };
+        if let Err(e) = &r {
+            tracing::error!(error = %e, waiting = self.health().waiting, "ledger closed with records unwritten");
+        }
+        self.queue.close();
+        let tasks = self.tasks.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+        let mut tasks = tasks.into_iter();
+        let writer = tasks.next();
+        for t in tasks {
             t.abort();
         }
+        if let Some(w) = writer {
+            // The writer drains what is left and returns once the queue is closed and empty.
+            if tokio::time::timeout(Duration::from_secs(2), w).await.is_err() {
+                tracing::error!("ledger writer did not stop in time");
+            }
+        }
+        let _ = self.backend.maintain().await;
         r
     }
 
@@ -158,76 +391,87 @@ impl Ledger {
     }
 }
 
-async fn write_loop(backend: Arc<dyn LedgerBackend>, mut rx: mpsc::Receiver<Op>) {
+fn wall_now() -> UnixMs {
+    UnixMs::from_system(SystemTime::now())
+}
+
+async fn write_loop(backend: Arc<dyn LedgerBackend>, queue: Arc<Queue>, health: watch::Sender<LedgerHealth>) {
+    let mut pending = Pending::default();
     let mut ops = Vec::with_capacity(MAX_BATCH);
+    let mut failing = false;
     loop {
-        // Group commit: wait for one operation, then take whatever else is already queued.
-        if rx.recv_many(&mut ops, MAX_BATCH).await == 0 {
+        if pending.is_empty() {
+            queue.ready().await;
+        }
+        // Group commit: take whatever is queued (the spool permitting).
+        if pending.rows() < SPOOL_MAX && queue.take(MAX_BATCH, &mut ops).is_none() && pending.is_empty() {
             return;
+        }
+        let mut waited_on = ops.iter().any(Op::is_waited_on) || !pending.acks.is_empty();
+        for op in ops.drain(..) {
+            pending.add(op);
         }
         // Nobody waits on a batch of only fire-and-forget writes (a request's end, its
         // attempts): hold it a moment so it rides along with the next durable write
         // instead of paying a commit of its own. Every commit rewrites whole pages in the
         // WAL, so commits, not rows, are what the disk pays for.
-        if !ops.iter().any(Op::is_waited_on) {
+        if !waited_on && !failing {
             let until = tokio::time::Instant::now() + LINGER;
-            while ops.len() < MAX_BATCH {
-                match tokio::time::timeout_at(until, rx.recv()).await {
-                    Ok(Some(op)) => {
-                        let waited_on = op.is_waited_on();
-                        ops.push(op);
-                        if waited_on {
-                            break;
-                        }
-                    }
-                    Ok(None) | Err(_) => break,
+            while pending.rows() < MAX_BATCH && !waited_on {
+                if tokio::time::timeout_at(until, queue.ready()).await.is_err() {
+                    break;
+                }
+                match queue.take(MAX_BATCH - pending.rows(), &mut ops) {
+                    None | Some(0) => break,
+                    Some(_) => {}
+                }
+                waited_on = ops.iter().any(Op::is_waited_on);
+                for op in ops.drain(..) {
+                    pending.add(op);
                 }
             }
-            while ops.len() < MAX_BATCH
-                && let Ok(op) = rx.try_recv()
-            {
-                ops.push(op);
-            }
         }
-        let mut requests: Vec<RequestRecord> = Vec::new();
-        let mut index: HashMap<String, usize> = HashMap::new();
-        let mut attempts = Vec::new();
-        let mut acks = Vec::new();
-        for op in ops.drain(..) {
-            match op {
-                Op::Request(rec, ack) => {
-                    // Rows carry their full latest state, so only the last one per id is written.
-                    match index.get(&rec.id) {
-                        Some(&i) => requests[i] = *rec,
-                        None => {
-                            index.insert(rec.id.clone(), requests.len());
-                            requests.push(*rec);
-                        }
-                    }
-                    if let Some(a) = ack {
-                        acks.push(a);
-                    }
+        if failing {
+            // A store that refuses commits acknowledges nothing: durable waiters hear at
+            // once, and the records wait in the spool for the next try.
+            let why = health.borrow().error.clone().unwrap_or_default();
+            pending.answer(Err(&why));
+        }
+        let result = if pending.rows() == 0 {
+            Ok(())
+        } else {
+            backend.write_batch(&pending.requests, &pending.attempts).await
+        };
+        match result {
+            Ok(()) => {
+                pending.clear();
+                pending.answer(Ok(()));
+                if failing {
+                    failing = false;
+                    tracing::warn!("ledger writes succeed again; the spool is written");
+                    health.send_replace(LedgerHealth::healthy());
                 }
-                Op::Attempt(a) => attempts.push(*a),
-                Op::Flush(a) => acks.push(a),
             }
-        }
-        let mut result = backend.write_batch(&requests, &attempts).await;
-        if let Err(e) = &result {
-            // One retry covers a transient lock; a second failure is reported to every
-            // durable waiter so the gateway fails closed instead of calling blind.
-            tracing::warn!(error = %e, rows = requests.len() + attempts.len(), "ledger batch failed; retrying once");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            result = backend.write_batch(&requests, &attempts).await;
-            if let Err(e) = &result {
-                tracing::error!(error = %e, rows = requests.len() + attempts.len(), "ledger batch lost");
+            Err(e) => {
+                let rows = pending.rows();
+                let why = match e {
+                    Error::Unavailable(m) => m,
+                    e => e.to_string(),
+                };
+                pending.answer(Err(&why));
+                if !failing {
+                    tracing::error!(error = %why, rows, "ledger commit failed; holding the records and retrying");
+                }
+                failing = true;
+                let since = health.borrow().failing_since.unwrap_or_else(wall_now);
+                health.send_replace(LedgerHealth {
+                    ok: false,
+                    failing_since: Some(since),
+                    error: Some(why),
+                    waiting: rows as u64,
+                });
+                tokio::time::sleep(RETRY_EVERY).await;
             }
-        }
-        for a in acks {
-            let _ = a.send(match &result {
-                Ok(()) => Ok(()),
-                Err(e) => Err(Error::Corrupt(e.to_string())),
-            });
         }
     }
 }
@@ -236,14 +480,17 @@ async fn write_loop(backend: Arc<dyn LedgerBackend>, mut rx: mpsc::Receiver<Op>)
 mod tests {
     use super::*;
     use crate::RequestState;
+    use async_trait::async_trait;
+    use spillway_wire::{ErrorClass, Format};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
     fn rec(id: &str, state: RequestState) -> RequestRecord {
         let mut r = RequestRecord::received(
             id.into(),
             "0af7651916cd43dd8448eb211c80319c".into(),
-            "openai",
+            Format::OpenAi,
             "/v1/chat/completions",
-            1,
+            UnixMs(1),
         );
         r.client_request_id = Some("client-1".into());
         r.key_name = Some("app".into());
@@ -253,7 +500,7 @@ mod tests {
         r.requested_model = Some("gpt-4o-mini".into());
         r.served_model = Some("gpt-4o-mini".into());
         r.state = state;
-        r.admitted_at = Some(2);
+        r.admitted_at = Some(UnixMs(2));
         r.body_sha256 = Some("ab".into());
         r
     }
@@ -276,37 +523,19 @@ mod tests {
         done.output_tokens = Some(u64::from(u32::MAX) + 5);
         done.attempts = 1;
         ledger.put_request(done.clone()).await.unwrap();
-        ledger
-            .put_attempt(AttemptRecord {
-                request_id: "r1".into(),
-                attempt_no: 1,
-                channel: "openai-a".into(),
-                upstream_request_id: Some("up-1".into()),
-                http_status: Some(200),
-                error_class: "success".into(),
-                provider_error_type: None,
-                retry_after_ms: None,
-                message: None,
-                started_at: 2,
-                first_byte_at: Some(3),
-                finished_at: Some(4),
-                input_tokens: Some(5),
-                output_tokens: Some(6),
-                decision: Some("done".into()),
-                decision_reason: None,
-                delay_ms: None,
-                ready_at: Some(1_780_000_000_000),
-                visibility: None,
-            })
-            .await
-            .unwrap();
+        let mut att = AttemptRecord::started("r1", 1, "openai-a", UnixMs(2));
+        att.upstream_request_id = Some("up-1".into());
+        att.http_status = Some(200);
+        att.error_class = ErrorClass::Success;
+        att.first_byte_at = Some(UnixMs(3));
+        att.finished_at = Some(UnixMs(4));
+        att.decision = Some(crate::Decision::Done);
+        att.ready_at = Some(UnixMs(1_780_000_000_000));
+        ledger.put_attempt(att.clone()).await.unwrap();
         ledger.flush().await.unwrap();
         assert_eq!(ledger.get_request("r1").await.unwrap().unwrap(), done);
-        assert_eq!(
-            ledger.attempts("r1").await.unwrap()[0].upstream_request_id.as_deref(),
-            Some("up-1")
-        );
-        ledger.close().await.unwrap();
+        assert_eq!(ledger.attempts("r1").await.unwrap(), vec![att]);
+        ledger.close(Duration::from_secs(1)).await.unwrap();
     }
 
     #[tokio::test]
@@ -320,15 +549,198 @@ mod tests {
             .await
             .unwrap();
         ledger.put_request_durable(rec("r2", RequestState::Done)).await.unwrap();
+        ledger.close(Duration::from_secs(1)).await.unwrap();
         drop(ledger);
         let reopened = Ledger::open_sqlite(&path).await.unwrap();
+        let r1 = reopened.get_request("r1").await.unwrap().unwrap();
+        assert_eq!(r1.state, RequestState::Unknown);
         assert_eq!(
-            reopened.get_request("r1").await.unwrap().unwrap().state,
-            RequestState::Unknown
+            r1.error_class,
+            Some(crate::FailureClass::Gateway(crate::GatewayClass::Interrupted))
         );
         assert_eq!(
             reopened.get_request("r2").await.unwrap().unwrap().state,
             RequestState::Done
+        );
+    }
+
+    #[tokio::test]
+    async fn a_second_instance_is_refused_before_it_touches_a_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.db");
+        let first = Ledger::open_sqlite(&path).await.unwrap();
+        first
+            .put_request_durable(rec("r1", RequestState::CallingApi))
+            .await
+            .unwrap();
+        let e = match Ledger::open_sqlite(&path).await {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("a second writer opened the ledger"),
+        };
+        assert!(e.contains("in use by another Spillway") && e.contains(&format!("pid {}", std::process::id())), "{e}");
+        // The running instance's in-flight row was not marked unknown by the refused one.
+        assert_eq!(
+            first.get_request("r1").await.unwrap().unwrap().state,
+            RequestState::CallingApi
+        );
+        first.close(Duration::from_secs(1)).await.unwrap();
+        drop(first);
+        // Released with the first instance.
+        let again = Ledger::open_sqlite(&path).await.unwrap();
+        again.close(Duration::from_secs(1)).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_store_refuses_to_move_a_request_backwards() {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
+        let mut done = rec("r1", RequestState::Done);
+        done.http_status = Some(200);
+        ledger.put_request(done.clone()).await.unwrap();
+        ledger.flush().await.unwrap();
+        // A late `calling_api` (in its own batch, so only the store can refuse it).
+        ledger
+            .put_request_durable(rec("r1", RequestState::CallingApi))
+            .await
+            .unwrap();
+        assert_eq!(ledger.get_request("r1").await.unwrap().unwrap(), done);
+        // Within one batch too: the later state wins whatever order the writes take.
+        ledger.put_request(rec("r2", RequestState::Failed)).await.unwrap();
+        ledger.put_request(rec("r2", RequestState::CallingApi)).await.unwrap();
+        ledger.flush().await.unwrap();
+        assert_eq!(
+            ledger.get_request("r2").await.unwrap().unwrap().state,
+            RequestState::Failed
+        );
+    }
+
+    /// A real SQLite store that can be made to refuse commits, as a full or read-only disk
+    /// would, and that can be slowed down to saturate the queue.
+    struct Faulty {
+        inner: SqliteBackend,
+        refuse: AtomicBool,
+        commits: AtomicUsize,
+        slow: Option<Duration>,
+    }
+
+    #[async_trait]
+    impl LedgerBackend for Faulty {
+        async fn write_batch(&self, r: &[RequestRecord], a: &[AttemptRecord]) -> Result<()> {
+            if let Some(d) = self.slow {
+                tokio::time::sleep(d).await;
+            }
+            if self.refuse.load(Ordering::SeqCst) {
+                return Err(Error::Unavailable("database or disk is full".into()));
+            }
+            self.commits.fetch_add(1, Ordering::SeqCst);
+            self.inner.write_batch(r, a).await
+        }
+        async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>> {
+            self.inner.get_request(id).await
+        }
+        async fn attempts(&self, id: &str) -> Result<Vec<AttemptRecord>> {
+            self.inner.attempts(id).await
+        }
+        async fn search(&self, s: &Search) -> Result<Page> {
+            self.inner.search(s).await
+        }
+        async fn mark_interrupted_unknown(&self) -> Result<u64> {
+            self.inner.mark_interrupted_unknown().await
+        }
+        async fn maintain(&self) -> Result<u64> {
+            self.inner.maintain().await
+        }
+    }
+
+    async fn faulty(dir: &Path, slow: Option<Duration>, depth: usize) -> (Ledger, Arc<Faulty>) {
+        let backend = Arc::new(Faulty {
+            inner: SqliteBackend::open(&dir.join("l.db")).await.unwrap(),
+            refuse: AtomicBool::new(false),
+            commits: AtomicUsize::new(0),
+            slow,
+        });
+        (Ledger::start_with_depth(backend.clone(), depth), backend)
+    }
+
+    #[tokio::test]
+    async fn a_refusing_store_spools_reports_and_recovers() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ledger, store) = faulty(dir.path(), None, QUEUE_DEPTH).await;
+        let mut health = ledger.watch_health();
+        assert!(ledger.health().ok);
+        store.refuse.store(true, Ordering::SeqCst);
+        // The first durable write meets the refusal and is not acknowledged.
+        let e = ledger
+            .put_request_durable(rec("r1", RequestState::CallingApi))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("disk is full"), "{e}");
+        health.wait_for(|h| !h.ok).await.unwrap();
+        let h = ledger.health();
+        assert!(h.failing_since.is_some() && h.error.as_deref() == Some("database or disk is full"));
+        // Later durable writes are refused at once, without waiting for a commit.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), ledger.put_request_durable(rec("r2", RequestState::CallingApi)))
+                .await
+                .expect("refused at once")
+                .is_err()
+        );
+        // Finished records wait in the spool...
+        ledger.enqueue_request(rec("r1", RequestState::Failed));
+        let mut att = AttemptRecord::started("r3", 1, "a", UnixMs(5));
+        att.error_class = ErrorClass::Success;
+        ledger.put_attempt(att).await.unwrap();
+        ledger.put_request(rec("r3", RequestState::Done)).await.unwrap();
+        health.wait_for(|h| h.waiting >= 3).await.unwrap();
+        assert!(ledger.get_request("r3").await.unwrap().is_none());
+        // ...and are written when the store takes commits again.
+        store.refuse.store(false, Ordering::SeqCst);
+        health.wait_for(|h| h.ok).await.unwrap();
+        ledger.flush().await.unwrap();
+        assert_eq!(ledger.get_request("r3").await.unwrap().unwrap().state, RequestState::Done);
+        assert_eq!(ledger.get_request("r1").await.unwrap().unwrap().state, RequestState::Failed);
+        assert_eq!(ledger.attempts("r3").await.unwrap().len(), 1);
+        assert_eq!(ledger.health(), LedgerHealth::healthy());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_saturated_queue_keeps_every_request_in_order() {
+        // A slow store (every commit 5 ms) and a short queue under thousands of requests
+        // writing their states back to back, from code that waits and from code that
+        // cannot: the queue fills, writers are held back, and every request still ends in
+        // its last state.
+        let dir = tempfile::tempdir().unwrap();
+        let (ledger, store) = faulty(dir.path(), Some(Duration::from_millis(5)), 64).await;
+        let mut handles = Vec::new();
+        for n in 0..3000 {
+            let l = ledger.clone();
+            handles.push(tokio::spawn(async move {
+                let id = format!("r{n}");
+                l.put_request(rec(&id, RequestState::Received)).await.unwrap();
+                l.put_request_durable(rec(&id, RequestState::CallingApi)).await.unwrap();
+                let mut again = rec(&id, RequestState::CallingApi);
+                again.attempts = 2;
+                l.put_request(again).await.unwrap();
+                // The end as a stream records it: synchronously, from `drop`.
+                l.enqueue_request(rec(&id, if n % 3 == 0 { RequestState::Failed } else { RequestState::Done }));
+            }));
+        }
+        for h in handles {
+            h.await.unwrap();
+        }
+        ledger.flush().await.unwrap();
+        for n in 0..3000 {
+            let got = ledger.get_request(&format!("r{n}")).await.unwrap().unwrap();
+            let want = if n % 3 == 0 { RequestState::Failed } else { RequestState::Done };
+            assert_eq!(got.state, want, "r{n}");
+        }
+        assert!(
+            store.commits.load(Ordering::SeqCst) < 3000,
+            "writes were group-committed"
+        );
+        assert!(
+            ledger.queue.held_back.load(Ordering::Relaxed) > 0,
+            "the queue was full and held writers back"
         );
     }
 
@@ -342,12 +754,12 @@ mod tests {
         let wal = dir.path().join("l.db-wal");
         // Commits back to back, as under saturation: a checkpoint beside this writer never
         // sees a fully checkpointed WAL at the start of a transaction on its own.
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
         let writer = {
             let (backend, stop) = (backend.clone(), stop.clone());
             tokio::spawn(async move {
                 let mut n = 0u64;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                while !stop.load(Ordering::Relaxed) {
                     backend
                         .write_batch(&[rec(&format!("r{n:08}"), RequestState::Done)], &[])
                         .await
@@ -356,43 +768,21 @@ mod tests {
                 }
             })
         };
-        let (mut peak, mut frames) = (0, 0);
-        while frames < 20_000 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let (mut peak, mut frames, mut rounds) = (0, 0, 0);
+        // Bounded: checkpoints run back to back until 20,000 frames went through.
+        while frames < 20_000 && rounds < 100_000 {
+            tokio::task::yield_now().await;
             frames += backend.maintain().await.unwrap();
             peak = peak.max(std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0));
+            rounds += 1;
         }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        stop.store(true, Ordering::Relaxed);
         writer.await.unwrap();
+        assert!(frames >= 20_000, "only {frames} frames checkpointed");
         assert!(
             peak < 12 * 1024 * 1024,
             "the WAL restarted: it peaked at {peak} bytes after {frames} frames"
         );
-    }
-
-    #[tokio::test]
-    async fn many_writes_group_commit_and_last_state_wins() {
-        let dir = tempfile::tempdir().unwrap();
-        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
-        let mut handles = Vec::new();
-        for n in 0..2000 {
-            let l = ledger.clone();
-            handles.push(tokio::spawn(async move {
-                let id = format!("r{n}");
-                l.put_request_durable(rec(&id, RequestState::CallingApi)).await.unwrap();
-                l.put_request(rec(&id, RequestState::Done)).await.unwrap();
-            }));
-        }
-        for h in handles {
-            h.await.unwrap();
-        }
-        ledger.flush().await.unwrap();
-        for n in [0, 999, 1999] {
-            assert_eq!(
-                ledger.get_request(&format!("r{n}")).await.unwrap().unwrap().state,
-                RequestState::Done
-            );
-        }
     }
 }
 
@@ -400,6 +790,7 @@ mod tests {
 mod search_tests {
     use super::*;
     use crate::RequestState;
+    use spillway_wire::Format;
 
     fn rec(ms: u64, n: u16, route: &str, state: RequestState) -> RequestRecord {
         // UUIDv7-shaped ids: the millisecond timestamp leads.
@@ -407,9 +798,9 @@ mod search_tests {
         let mut r = RequestRecord::received(
             id.clone(),
             id.replace('-', ""),
-            "openai",
+            Format::OpenAi,
             "/v1/chat/completions",
-            ms as i64,
+            UnixMs(ms as i64),
         );
         r.route = Some(route.into());
         r.state = state;
@@ -474,8 +865,8 @@ mod search_tests {
         assert_eq!(ledger.search(&failed_a).await.unwrap().items.len(), 12);
 
         let range = Search {
-            from_ms: Some((t0 + 10_000) as i64),
-            to_ms: Some((t0 + 20_000) as i64),
+            from_ms: Some(UnixMs((t0 + 10_000) as i64)),
+            to_ms: Some(UnixMs((t0 + 20_000) as i64)),
             ..Search::default()
         };
         assert_eq!(ledger.search(&range).await.unwrap().items.len(), 10);

@@ -8,10 +8,10 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// An instant: milliseconds since 1970-01-01T00:00:00Z.
+/// An instant: milliseconds since 1970-01-01T00:00:00Z. A newtype, so it travels as the
+/// bare number in JSON.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "ts", derive(ts_rs::TS))]
-#[serde(transparent)]
 pub struct UnixMs(pub i64);
 
 impl UnixMs {
