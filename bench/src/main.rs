@@ -67,6 +67,7 @@ struct SearchTiming {
 /// interactive however large the ledger grows.
 async fn ledger_search(rows: u64) -> Result<Vec<SearchTiming>> {
     use spillway_ledger::{LedgerBackend, RequestRecord, RequestState, Search, SqliteBackend};
+    use spillway_wire::{Format, UnixMs};
     let dir = tempfile::tempdir()?;
     let backend = SqliteBackend::open(&dir.path().join("ledger.db")).await?;
     let t0: u64 = 1_790_000_000_000;
@@ -87,9 +88,9 @@ async fn ledger_search(rows: u64) -> Result<Vec<SearchTiming>> {
         let mut r = RequestRecord::received(
             rid.clone(),
             rid.replace('-', ""),
-            "openai",
+            Format::OpenAi,
             "/v1/chat/completions",
-            (t0 + n * 10) as i64,
+            UnixMs((t0 + n * 10) as i64),
         );
         r.route = Some(routes[(n % 3) as usize].into());
         r.state = if n % 50 == 0 {
@@ -163,7 +164,7 @@ async fn ledger_search(rows: u64) -> Result<Vec<SearchTiming>> {
         (
             "last 15 minutes",
             Search {
-                from_ms: Some((t0 + last * 10) as i64 - 900_000),
+                from_ms: Some(UnixMs((t0 + last * 10) as i64 - 900_000)),
                 ..Search::default()
             },
         ),
@@ -244,18 +245,28 @@ fn body_for(model: &str, stream: bool) -> Bytes {
 }
 
 /// One request; returns its latency from the moment it is handed to the client and the
-/// upstream attempts the gateway reports (`x-spillway-attempts`, 1 when absent), or None
-/// on failure.
-async fn one(client: &HttpClient, url: &str, key: &str, payload: Bytes, mode: Mode) -> Option<(Duration, u64)> {
-    let req = hyper::Request::post(url)
+/// upstream attempts the gateway reports (`x-spillway-attempts`, 1 when absent), or, on
+/// failure, how long it took to fail.
+async fn one(
+    client: &HttpClient,
+    url: &str,
+    key: &str,
+    payload: Bytes,
+    mode: Mode,
+) -> Result<(Duration, u64), Duration> {
+    let from = Instant::now();
+    let Ok(req) = hyper::Request::post(url)
         .header("content-type", "application/json")
         .header("authorization", format!("Bearer {key}"))
         .body(Full::new(payload))
-        .ok()?;
+    else {
+        return Err(from.elapsed());
+    };
     let from = Instant::now();
-    let resp = client.request(req).await.ok()?;
+    let resp = client.request(req).await.map_err(|_| from.elapsed())?;
     if !resp.status().is_success() {
-        return None;
+        let _ = resp.into_body().collect().await;
+        return Err(from.elapsed());
     }
     let attempts = resp
         .headers()
@@ -266,7 +277,7 @@ async fn one(client: &HttpClient, url: &str, key: &str, payload: Bytes, mode: Mo
     let mut body = resp.into_body();
     let mut at = None;
     while let Some(frame) = body.frame().await {
-        let frame = frame.ok()?;
+        let frame = frame.map_err(|_| from.elapsed())?;
         if mode == Mode::FirstToken
             && at.is_none()
             && let Some(d) = frame.data_ref()
@@ -276,9 +287,11 @@ async fn one(client: &HttpClient, url: &str, key: &str, payload: Bytes, mode: Mo
             at = Some(from.elapsed());
         }
     }
-    Some((at.unwrap_or_else(|| from.elapsed()), attempts))
+    Ok((at.unwrap_or_else(|| from.elapsed()), attempts))
 }
 
+/// Latency of every request sent after the warm-up, failures included: a failure that
+/// came fast must not make the percentiles look better, nor a slow one vanish from them.
 #[derive(Serialize, Clone)]
 struct Percentiles {
     p50_us: u64,
@@ -328,16 +341,22 @@ async fn fixed_rate_with(
             attempts.clone(),
         );
         tasks.push(tokio::spawn(async move {
-            match one(&client, &url, &key, payload, mode).await {
-                Some((d, n)) if i >= warmup => {
-                    let _ = hist.lock().map(|mut h| h.record(d.as_micros().max(1) as u64));
-                    attempts.fetch_add(n, Ordering::Relaxed);
-                }
-                Some(_) => {}
-                None => {
-                    failed.fetch_add(1, Ordering::Relaxed);
-                }
+            let result = one(&client, &url, &key, payload, mode).await;
+            // The warm-up second counts for nothing, failures included.
+            if i < warmup {
+                return;
             }
+            let d = match result {
+                Ok((d, n)) => {
+                    attempts.fetch_add(n, Ordering::Relaxed);
+                    d
+                }
+                Err(d) => {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    d
+                }
+            };
+            let _ = hist.lock().map(|mut h| h.record(d.as_micros().max(1) as u64));
         }));
     }
     for t in tasks {
@@ -352,10 +371,11 @@ async fn fixed_rate_with(
         p90_us: h.value_at_quantile(0.90),
         p99_us: h.value_at_quantile(0.99),
         max_us: h.max(),
-        ok: h.len(),
+        ok: h.len() - failed.load(Ordering::Relaxed),
         failed: failed.load(Ordering::Relaxed),
-        achieved_rps: h.len() as f64 / secs as f64,
-        attempts_per_request: attempts.load(Ordering::Relaxed) as f64 / h.len().max(1) as f64,
+        achieved_rps: (h.len() - failed.load(Ordering::Relaxed)) as f64 / secs as f64,
+        attempts_per_request: attempts.load(Ordering::Relaxed) as f64
+            / (h.len() - failed.load(Ordering::Relaxed)).max(1) as f64,
     }
 }
 
@@ -374,7 +394,7 @@ async fn max_throughput(client: &HttpClient, url: &str, key: &str, concurrency: 
         );
         tasks.push(tokio::spawn(async move {
             while Instant::now() < end {
-                if one(&client, &url, &key, payload.clone(), Mode::Whole).await.is_some() {
+                if one(&client, &url, &key, payload.clone(), Mode::Whole).await.is_ok() {
                     done.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -453,7 +473,7 @@ async fn main() -> Result<()> {
     std::fs::write(
         &config,
         format!(
-            "listen: 127.0.0.1:0\nledger: sqlite://{}\nchannels:\n  - name: bench\n    format: openai\n    base_url: {sim_url}/bench\n    models: [gpt-4o-mini]\n    max_concurrency: 4096\n  - name: fo-a\n    format: openai\n    base_url: {sim_url}/fo-a\n    models: [bench-failover]\n    max_concurrency: 4096\n  - name: fo-b\n    format: openai\n    base_url: {sim_url}/fo-b\n    models: [bench-failover]\n    max_concurrency: 4096\nkeys:\n  - name: bench\n    owner: bench\n    secret_env: BENCH_KEY\nowners:\n  - name: bench\n    balance_usd: 1000000\n",
+            "listen: 127.0.0.1:0\nledger: sqlite://{}\nserver: {{max_connections: 8192}}\nchannels:\n  - name: bench\n    format: openai\n    base_url: {sim_url}/bench\n    models: [gpt-4o-mini]\n    max_concurrency: 4096\n  - name: fo-a\n    format: openai\n    base_url: {sim_url}/fo-a\n    models: [bench-failover]\n    max_concurrency: 4096\n  - name: fo-b\n    format: openai\n    base_url: {sim_url}/fo-b\n    models: [bench-failover]\n    max_concurrency: 4096\nkeys:\n  - name: bench\n    owner: bench\n    secret_env: BENCH_KEY\nowners:\n  - name: bench\n    balance_usd: 1000000\n",
             dir.path().join("ledger.db").display()
         ),
     )?;

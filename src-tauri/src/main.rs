@@ -7,8 +7,7 @@
 #![cfg_attr(not(debug_assertions), windows_subsystem = "windows")]
 
 use anyhow::{Context, Result};
-use spillway_engine::admin::AdminToken;
-use spillway_policy::{Config, LedgerLocation};
+use spillway_cli::launch::{Launch, Launched, launch};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,73 +15,31 @@ use tauri::tray::TrayIconBuilder;
 use tauri::{Manager, WebviewUrl, WebviewWindowBuilder};
 
 fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok()
+    std::env::var(name).ok().filter(|v| !v.is_empty())
 }
 
-struct Engine {
-    running: spillway_engine::Running,
-    url: String,
-    token: AdminToken,
-    _demo: Option<spillway_engine::embedded::Embedded>,
-    _traffic: Option<tokio::task::JoinHandle<()>>,
-}
-
-/// `SPILLWAY_CONFIG` names a config file; without it, the embedded default with demo
-/// traffic, as `spillway serve --demo-traffic` runs it.
-async fn start_engine() -> Result<Engine> {
-    let data_dir = spillway_engine::data_dir()?;
-    let (cfg, demo) = match env("SPILLWAY_CONFIG") {
-        Some(path) => {
-            let path = PathBuf::from(path);
-            let text =
-                std::fs::read_to_string(&path).with_context(|| format!("cannot read config {}", path.display()))?;
-            (
-                Config::parse(&path, &text, &env).map_err(|e| anyhow::anyhow!("invalid config:\n{e}"))?,
-                None,
-            )
-        }
-        None => {
-            let e = spillway_engine::embedded::build(&env).await?;
-            (e.config.clone(), Some(e))
-        }
-    };
-    let ledger_path = match &cfg.ledger {
-        Some(LedgerLocation::Sqlite(p)) => p.clone(),
-        None => data_dir.join("ledger.db"),
-    };
-    let token = spillway_engine::admin_token()?;
-    // Port 0: a desktop app must not fail because 8787 is taken by a headless gateway.
+/// The same start-up path as `spillway serve`: `SPILLWAY_CONFIG` names a config file;
+/// without it, the embedded default with demo traffic. The gateway listens on a free
+/// loopback port (a desktop app must not fail because 8787 is taken by a headless one).
+async fn start_engine() -> Result<Launched> {
+    let config = env("SPILLWAY_CONFIG").map(PathBuf::from);
+    let demo_traffic = config.is_none().then_some(4.0);
     let listen = Some(
         env("SPILLWAY_LISTEN")
             .and_then(|l| l.parse().ok())
             .unwrap_or(([127, 0, 0, 1], 0).into()),
     );
-    let opts = spillway_engine::Options {
-        ledger_path,
+    Ok(launch(Launch {
+        config,
         listen,
-        admin_token: Some(token.clone()),
-        ui_dir: spillway_engine::console_dir(None),
-    };
-    let running = spillway_engine::start(cfg, opts).await?;
-    let url = format!("http://{}", running.addr);
-    let traffic = demo
-        .as_ref()
-        .map(|e| spillway_engine::embedded::demo_traffic(url.clone(), e, 4.0));
-    Ok(Engine {
-        running,
-        url,
-        token,
-        _demo: demo,
-        _traffic: traffic,
+        demo_traffic,
+        ..Launch::default()
     })
+    .await?)
 }
 
 fn health_text(state: &spillway_engine::AppState) -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
-    let h = state.metrics.headline(now);
+    let h = state.metrics.headline(spillway_engine::clock::now().0.div_euclid(1000));
     let errors = h
         .error_rate
         .map(|r| format!("{:.1} % errors", r * 100.0))
@@ -134,7 +91,17 @@ fn main() -> Result<()> {
                 .inner_size(1400.0, 900.0)
                 .build()?;
             let icon = app.default_window_icon().cloned();
-            let mut tray = TrayIconBuilder::with_id("health").tooltip(health_text(&state));
+            // Quit goes through the same shutdown as closing the window (RunEvent::Exit).
+            let quit = tauri::menu::MenuItem::with_id(app, "quit", "Quit Spillway", true, None::<&str>)?;
+            let menu = tauri::menu::Menu::with_items(app, &[&quit])?;
+            let mut tray = TrayIconBuilder::with_id("health")
+                .tooltip(health_text(&state))
+                .menu(&menu)
+                .on_menu_event(|app, event| {
+                    if event.id() == "quit" {
+                        app.exit(0);
+                    }
+                });
             if let Some(icon) = icon {
                 tray = tray.icon(icon);
             }
@@ -166,8 +133,11 @@ fn main() -> Result<()> {
         if let tauri::RunEvent::Exit = event
             && let Some(e) = engine.lock().ok().and_then(|mut g| g.take())
         {
-            // Drain in-flight requests and flush the ledger before the process goes.
-            let _ = rt.block_on(e.running.shutdown());
+            // What `spillway serve` does on its first signal: drain in-flight requests
+            // within the drain deadline, cut and record what is left, flush the ledger.
+            if let Err(err) = rt.block_on(e.shutdown()) {
+                tracing::error!(error = %err, "shutdown did not complete cleanly");
+            }
         }
     });
     Ok(())

@@ -1,11 +1,13 @@
 //! The `spillway` binary: `serve` the gateway, `check` a config, run the simulator (`sim`).
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use spillway_policy::{Config, LedgerLocation};
+use spillway_cli::launch::{self, Launch};
+use spillway_cli::signals::Signals;
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -20,8 +22,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run the gateway. Without --config: simulated providers (or real ones for any
-    /// OPENAI_API_KEY / ANTHROPIC_API_KEY / GEMINI_API_KEY set) and a one-time demo key.
+    /// Run the gateway. Without --config: the embedded default (policies/demo.yaml):
+    /// simulated providers, or real ones for any OPENAI_API_KEY / ANTHROPIC_API_KEY /
+    /// GEMINI_API_KEY set, and a demo key made at each start.
     Serve(ServeArgs),
     /// Print the admin token the console needs (created on first use, mode 0600).
     AdminToken,
@@ -40,18 +43,6 @@ enum Command {
     },
 }
 
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok()
-}
-
-fn load(path: &PathBuf) -> Result<Config> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
-    match Config::parse(path, &text, &env) {
-        Ok(c) => Ok(c),
-        Err(e) => bail!("invalid config:\n{e}"),
-    }
-}
-
 /// The one line scripts and tests read; stdout is flushed so a pipe sees it at once.
 fn announce(line: &str) {
     let mut out = std::io::stdout().lock();
@@ -59,29 +50,9 @@ fn announce(line: &str) {
     let _ = out.flush();
 }
 
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = match signal(SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
-}
-
 #[derive(clap::Args)]
 struct ServeArgs {
-    /// Gateway config (YAML).
+    /// Gateway config (YAML). Default: the embedded default (policies/demo.yaml).
     #[arg(long)]
     config: Option<PathBuf>,
     /// Address to listen on; overrides the config. Port 0 picks a free port.
@@ -93,8 +64,8 @@ struct ServeArgs {
     /// Send demo traffic to the simulated providers, at this many requests per second.
     #[arg(long, num_args = 0..=1, default_missing_value = "4", value_name = "RPS")]
     demo_traffic: Option<f64>,
-    /// The built console to serve at `/` (default: $SPILLWAY_UI_DIR, else ui/dist beside
-    /// the source tree the binary was built in).
+    /// Serve the console from this built directory instead of the one compiled in
+    /// (development).
     #[arg(long)]
     ui_dir: Option<PathBuf>,
     /// Print a console link carrying the admin token on stdout (for `make run`).
@@ -103,92 +74,77 @@ struct ServeArgs {
 }
 
 async fn serve(args: ServeArgs) -> Result<()> {
-    let ServeArgs {
-        config,
-        listen,
-        ledger,
-        demo_traffic,
-        ui_dir: ui_flag,
-        show_admin_token,
-    } = args;
-    let (cfg, demo) = match &config {
-        Some(path) => (load(path)?, None),
-        None => {
-            let e = spillway_engine::embedded::build(&env).await?;
-            (e.config.clone(), Some(e))
-        }
-    };
-    if let Some(w) = &cfg.listen_warning {
+    // Listen for signals before anything starts: a Ctrl-C during start-up is not lost.
+    let mut signals = Signals::new().context("cannot listen for signals")?;
+    let launched = launch::launch(Launch {
+        config: args.config,
+        listen: args.listen,
+        ledger: args.ledger,
+        ui_dir: args.ui_dir,
+        demo_traffic: args.demo_traffic,
+    })
+    .await?;
+    if let Some(w) = &launched.listen_warning {
         tracing::warn!("{w}");
     }
-    if let Some(l) = listen
-        && !l.ip().is_loopback()
-    {
-        tracing::warn!("--listen {l} is not a loopback address; the gateway is reachable from other machines");
-    }
-    let ledger_path = match (ledger, &cfg.ledger) {
-        (Some(p), _) => p,
-        (None, Some(LedgerLocation::Sqlite(p))) => p.clone(),
-        (None, None) => spillway_engine::data_dir()?.join("ledger.db"),
-    };
-    let token = spillway_engine::admin_token()?;
-    let ui = spillway_engine::console_dir(ui_flag);
-    let opts = spillway_engine::Options {
-        ledger_path: ledger_path.clone(),
-        listen,
-        admin_token: Some(token.clone()),
-        ui_dir: ui.clone(),
-    };
-    let running = spillway_engine::start(cfg, opts).await?;
-    let url = format!("http://{}", running.addr);
+    let url = &launched.url;
     announce(&format!("spillway listening on {url}"));
-    match (&ui, show_admin_token) {
+    match (launched.has_console, args.show_admin_token) {
         // The token rides in the fragment, which browsers never send to a server.
-        (Some(_), true) => announce(&format!("console: {url}/#token={}", token.secret())),
-        (Some(_), false) => announce(&format!("console: {url}/ (admin token: `spillway admin-token`)")),
-        (None, _) => tracing::warn!("console not built (ui/dist missing): the admin API is up, the web console is not"),
+        (true, true) => announce(&format!("console: {url}/#token={}", launched.token.secret())),
+        (true, false) => announce(&format!("console: {url}/ (admin token: `spillway admin-token`)")),
+        (false, _) => {
+            tracing::warn!("this binary was built without its console: the admin API is up, the web console is not")
+        }
     }
-    tracing::info!(ledger = %ledger_path.display(), "ledger open");
+    tracing::info!(ledger = %launched.ledger_path.display(), "ledger open");
+    for g in &launched.generated {
+        if g.key == "demo" {
+            announce(&format!("demo key (shown once): {}", g.secret));
+        } else {
+            announce(&format!("key {} (shown once): {}", g.key, g.secret));
+        }
+    }
+    if let Some(sim) = &launched.sim {
+        announce(&format!(
+            "simulated providers: {} (inject faults: PUT {}/_control/channels/<channel>)",
+            sim.url(),
+            sim.url()
+        ));
+    }
+    for c in &launched.running.state.config.channels {
+        tracing::info!(channel = %c.name, format = %c.format,
+            upstream = if c.simulated.is_some() { "simulator" } else if c.api_key.is_some() { "provider" } else { "keyless endpoint" },
+            "channel ready");
+    }
 
-    let mut traffic = None;
-    if let Some(e) = &demo {
-        announce(&format!("demo key (shown once): {}", e.demo_key));
-        if let Some(sim) = &e.sim {
-            announce(&format!(
-                "simulated providers: {} (inject faults: PUT {}/_control/channels/<channel>)",
-                sim.url(),
-                sim.url()
-            ));
+    signals.next().await;
+    let drain = launched.running.state.config.server.drain_timeout_ms;
+    tracing::info!(
+        "shutting down: finishing in-flight requests (at most {} s; a second Ctrl-C stops at once)",
+        drain.div_ceil(1000)
+    );
+    let r = tokio::select! {
+        r = launched.shutdown() => r,
+        _ = signals.next() => {
+            tracing::warn!("second signal: stopping now; what is still running is cut and recorded");
+            launched.abort().await
         }
-        for c in &e.config.channels {
-            tracing::info!(channel = %c.name, format = %c.format, upstream = if c.api_key.is_some() { "real provider" } else { "simulator" }, "channel ready");
-        }
-        if let Some(rps) = demo_traffic {
-            traffic = Some(spillway_engine::embedded::demo_traffic(url.clone(), e, rps));
-            tracing::info!(rps, "demo traffic started");
-        }
-    } else if demo_traffic.is_some() {
-        tracing::warn!("--demo-traffic needs the embedded default (no --config); ignored");
-    }
-
-    shutdown_signal().await;
-    tracing::info!("shutting down: finishing in-flight requests");
-    if let Some(t) = traffic {
-        t.abort();
-    }
-    running.shutdown().await?;
+    };
+    r?;
     tracing::info!("ledger flushed; bye");
     Ok(())
 }
 
 async fn sim(scenario: Option<PathBuf>, listen: SocketAddr) -> Result<()> {
+    let mut signals = Signals::new().context("cannot listen for signals")?;
     let scenario = match scenario {
-        Some(p) => spillway_sim::Scenario::load(&p)?,
+        Some(p) => spillway_sim::load_scenario(&p)?,
         None => spillway_sim::Scenario::default(),
     };
     let handle = spillway_sim::start(listen, scenario).await?;
     announce(&format!("spillway-sim listening on {}", handle.url()));
-    shutdown_signal().await;
+    signals.next().await;
     handle.shutdown();
     Ok(())
 }
@@ -204,7 +160,7 @@ fn main() -> Result<()> {
         )
         .init();
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(async {
+    let result = rt.block_on(async {
         match cli.command {
             Command::Serve(args) => serve(args).await,
             Command::AdminToken => {
@@ -213,7 +169,7 @@ fn main() -> Result<()> {
                 Ok(())
             }
             Command::Check { config } => {
-                let c = load(&config)?;
+                let c = launch::load(Some(&config))?;
                 if let Some(w) = &c.listen_warning {
                     eprintln!("warning: {w}");
                 }
@@ -228,5 +184,8 @@ fn main() -> Result<()> {
             }
             Command::Sim { scenario, listen } => sim(scenario, listen).await,
         }
-    })
+    });
+    // Everything that mattered is flushed; whatever task is left is not waited for.
+    rt.shutdown_timeout(Duration::from_millis(500));
+    result
 }

@@ -1,22 +1,23 @@
-//! The console's admin API under `/admin/v1/` (JSON, plus a server-sent event stream), the
-//! admin token that guards it (P2), and the static console served at `/`.
+//! The console's admin API under `/admin/v1/` (JSON, plus a server-sent event stream) and
+//! the admin token that guards it (P2). No CORS: a page from another origin gets nothing,
+//! and a request that says it comes from another origin is refused outright.
 
-use crate::ingress::now_ms;
-use crate::metrics::{Headline, RouteFigures, SeriesPoint};
+use crate::clock;
+use crate::metrics::{Headline, Rejection, RouteFigures, SeriesPoint};
 use crate::state::AppState;
 use axum::Router;
-use axum::body::Body;
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use rand::Rng;
 use serde::Serialize;
-use spillway_ledger::{AttemptRecord, RequestRecord, Search};
+use spillway_ledger::{AttemptRecord, LedgerHealth, RequestRecord, Search};
+use spillway_wire::{Format, UnixMs};
 use std::convert::Infallible;
-use std::path::{Path as FsPath, PathBuf};
+use std::path::Path as FsPath;
 use std::sync::Arc;
 use std::time::Duration;
 use subtle::ConstantTimeEq;
@@ -83,7 +84,7 @@ impl AdminToken {
 #[derive(Clone, Debug, Serialize, TS)]
 pub struct ChannelView {
     pub name: String,
-    pub format: String,
+    pub format: Format,
     pub base_url: String,
     /// Whether calls go to a real provider with a key, or to an unauthenticated endpoint
     /// such as the simulator.
@@ -99,21 +100,27 @@ pub struct ChannelView {
 /// Everything the overview shows, at connect time.
 #[derive(Clone, Debug, Serialize, TS)]
 pub struct Overview {
-    pub now_ms: i64,
+    pub now: UnixMs,
     pub headline: Headline,
     pub series: Vec<SeriesPoint>,
     pub routes: Vec<RouteFigures>,
     pub channels: Vec<ChannelView>,
+    /// Requests refused before they had a valid key, newest first.
+    pub rejections: Vec<Rejection>,
+    /// Whether the ledger is taking writes.
+    pub ledger: LedgerHealth,
 }
 
 /// One live update: the newest second and the current tables.
 #[derive(Clone, Debug, Serialize, TS)]
 pub struct Tick {
-    pub now_ms: i64,
+    pub now: UnixMs,
     pub headline: Headline,
     pub point: SeriesPoint,
     pub routes: Vec<RouteFigures>,
     pub channels: Vec<ChannelView>,
+    pub rejections: Vec<Rejection>,
+    pub ledger: LedgerHealth,
 }
 
 /// A request with every attempt.
@@ -138,7 +145,7 @@ fn channels(st: &AppState) -> Vec<ChannelView> {
         .iter()
         .map(|c| ChannelView {
             name: c.cfg.name.clone(),
-            format: c.cfg.format.to_string(),
+            format: c.cfg.format,
             base_url: c.cfg.base_url.clone(),
             has_credential: c.cfg.api_key.is_some(),
             models: c.cfg.models.clone(),
@@ -150,38 +157,63 @@ fn channels(st: &AppState) -> Vec<ChannelView> {
 }
 
 fn overview(st: &AppState) -> Overview {
-    let now_ms = now_ms();
-    let now = now_ms.div_euclid(1000);
+    let now_ms = clock::now();
+    let now = now_ms.0.div_euclid(1000);
     Overview {
-        now_ms,
+        now: now_ms,
         headline: st.metrics.headline(now),
         series: st.metrics.series(now - crate::metrics::WINDOW_SECONDS as i64 + 1, now),
         routes: st.metrics.routes(),
         channels: channels(st),
+        rejections: st.metrics.rejections(),
+        ledger: st.ledger.health(),
     }
 }
 
 fn tick(st: &AppState) -> Tick {
-    let now_ms = now_ms();
-    let now = now_ms.div_euclid(1000);
+    let now_ms = clock::now();
+    let now = now_ms.0.div_euclid(1000);
     let point = st.metrics.series(now, now).pop().unwrap_or(SeriesPoint {
-        t: now,
+        at: UnixMs(now * 1000),
         requests: 0,
         errors: 0,
+        rejected: 0,
         p50_ms: None,
         p95_ms: None,
         in_flight: 0,
     });
     Tick {
-        now_ms,
+        now: now_ms,
         headline: st.metrics.headline(now),
         point,
         routes: st.metrics.routes(),
         channels: channels(st),
+        rejections: st.metrics.rejections(),
+        ledger: st.ledger.health(),
     }
 }
 
+/// The authority (`host[:port]`) an `Origin` header names.
+fn origin_authority(origin: &str) -> Option<&str> {
+    origin.split_once("://").map(|(_, rest)| rest.trim_end_matches('/'))
+}
+
 async fn require_token(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    // The console is same-origin; a request a browser sends on behalf of another origin is
+    // refused before the token is even looked at (no CORS, and no cross-origin answers).
+    if let Some(origin) = req.headers().get(header::ORIGIN).and_then(|v| v.to_str().ok()) {
+        let host = req
+            .uri()
+            .authority()
+            .map(|a| a.as_str())
+            .or_else(|| req.headers().get(header::HOST).and_then(|v| v.to_str().ok()));
+        if origin_authority(origin) != host || host.is_none() {
+            return admin_error(
+                StatusCode::FORBIDDEN,
+                "The admin API answers its own console only (cross-origin requests are refused).",
+            );
+        }
+    }
     let presented = req
         .headers()
         .get(header::AUTHORIZATION)
@@ -219,13 +251,16 @@ async fn events(State(st): State<Arc<AppState>>) -> Response {
             }
         }
     });
+    let draining = st.shutdown.draining.clone();
     let ticks = futures_util::stream::unfold(st, |st| async move {
         tokio::time::sleep(TICK).await;
         let ev = Event::default().event("tick").json_data(tick(&st));
         Some((ev, st))
     });
     use futures_util::StreamExt;
+    // A shutdown ends the stream, so an open console never holds the gateway up.
     let stream = futures_util::stream::select(first.chain(ticks), alerts)
+        .take_until(draining.cancelled_owned())
         .map(|e| Ok::<_, Infallible>(e.unwrap_or_else(|_| Event::default().comment("encode error"))));
     Sse::new(stream).keep_alive(KeepAlive::default()).into_response()
 }
@@ -238,12 +273,15 @@ async fn search(State(st): State<Arc<AppState>>, Query(q): Query<Search>) -> Res
 }
 
 async fn detail(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    if id.len() > 64 {
+        return admin_error(StatusCode::NOT_FOUND, "No request with that id.");
+    }
     match st.ledger.get_request(&id).await {
         Ok(Some(request)) => match st.ledger.attempts(&id).await {
             Ok(attempts) => axum::Json(RequestDetail { request, attempts }).into_response(),
             Err(e) => admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger read failed: {e}")),
         },
-        Ok(None) => admin_error(StatusCode::NOT_FOUND, format!("No request with id {id}.")),
+        Ok(None) => admin_error(StatusCode::NOT_FOUND, "No request with that id."),
         Err(e) => admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger read failed: {e}")),
     }
 }
@@ -251,7 +289,7 @@ async fn detail(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Resp
 /// E2: an operator puts an ejected or paced channel back into rotation.
 async fn restore_channel(State(st): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
     let Some(c) = st.channels.iter().find(|c| c.cfg.name == name) else {
-        return admin_error(StatusCode::NOT_FOUND, format!("No channel named `{name}`."));
+        return admin_error(StatusCode::NOT_FOUND, "No channel by that name.");
     };
     if c.health.restore() {
         tracing::warn!(channel = %name, "channel restored to rotation by an operator");
@@ -267,48 +305,6 @@ pub fn router(st: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/admin/v1/requests", get(search))
         .route("/admin/v1/requests/{id}", get(detail))
         .route_layer(middleware::from_fn_with_state(st, require_token))
-}
-
-/// P5-style headers on the console's own pages: nothing loads from elsewhere.
-const CSP: &str = "default-src 'self'; connect-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; \
-    script-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'";
-
-/// Serves the built console from `dir`, with `index.html` for client-side routes.
-pub async fn console(dir: PathBuf, path: &str) -> Response {
-    let rel = path.trim_start_matches('/');
-    let safe = !rel.split('/').any(|seg| seg == ".." || seg.starts_with('.'));
-    let candidate = if rel.is_empty() || !safe {
-        dir.join("index.html")
-    } else {
-        dir.join(rel)
-    };
-    let file = if candidate.is_file() {
-        candidate
-    } else {
-        dir.join("index.html")
-    };
-    let Ok(bytes) = tokio::fs::read(&file).await else {
-        return admin_error(
-            StatusCode::NOT_FOUND,
-            "The console is not built: run `make run` (it builds ui/).",
-        );
-    };
-    let mime = match file.extension().and_then(|e| e.to_str()) {
-        Some("html") => "text/html; charset=utf-8",
-        Some("js") => "text/javascript; charset=utf-8",
-        Some("css") => "text/css; charset=utf-8",
-        Some("svg") => "image/svg+xml",
-        Some("png") => "image/png",
-        Some("json") => "application/json",
-        _ => "application/octet-stream",
-    };
-    let mut resp = Response::new(Body::from(bytes));
-    let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(mime));
-    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
-    h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
-    resp
 }
 
 #[cfg(test)]

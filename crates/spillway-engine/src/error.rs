@@ -1,10 +1,12 @@
 //! Gateway errors and the one place they become HTTP responses in the caller's format
-//! (A3), with `x-should-retry: false` where retrying cannot help and `retry-after` on 429
-//! and 502 (A8).
+//! (A3), with `x-should-retry: false` where retrying cannot help and `retry-after` on 429,
+//! 502 and 503 (A8). No message carries text the client sent: each names the field or the
+//! rule, and what was expected.
 
 use axum::body::Body;
 use axum::response::Response;
 use http::{HeaderValue, StatusCode, header};
+use spillway_ledger::GatewayClass;
 use spillway_wire::{ErrorKind, Format, RequestError, error_body};
 
 /// A wait as `retry-after` says it: whole seconds, rounded up, never 0 (A8).
@@ -12,37 +14,64 @@ pub fn retry_after_secs(wait: std::time::Duration) -> u64 {
     (wait.as_millis().div_ceil(1000) as u64).max(1)
 }
 
+/// What the gateway serves, for the answer to an unknown path.
+const ENDPOINTS: &str = "POST /v1/chat/completions (OpenAI), POST /v1/messages (Anthropic), \
+    POST /v1beta/models/{model}:generateContent and :streamGenerateContent (Gemini), GET /v1/models, GET /v1beta/models";
+
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
     #[error("Missing API key. Send it as {0}.")]
     MissingKey(&'static str),
     #[error("Invalid API key.")]
     InvalidKey,
+    /// P1: a Host name the listener does not answer (DNS rebinding).
+    #[error(
+        "This gateway does not answer requests for this host name. Use a loopback address (127.0.0.1 or localhost), or add the name to `allowed_hosts` in the gateway's config."
+    )]
+    ForbiddenHost,
+    #[error("`content-type`: expected application/json.")]
+    UnsupportedMediaType,
     #[error("Request body is larger than the gateway's limit of {limit} bytes.")]
     PayloadTooLarge { limit: u64 },
+    #[error("The request body did not arrive within {ms} ms.")]
+    BodyTimeout { ms: u64 },
     #[error("{0}")]
     InvalidRequest(#[from] RequestError),
-    #[error("Could not read the request body: {0}")]
-    BodyRead(String),
-    #[error("No channel serves model `{model}` for the {format} format.")]
-    NoChannel { model: String, format: Format },
+    #[error("The request body could not be read: the connection failed while it was being sent.")]
+    BodyRead,
+    #[error(
+        "No channel serves the requested model for the {format} format (`model`); GET /v1/models lists the models this gateway serves."
+    )]
+    NoChannel { format: Format },
     #[error("All upstream capacity for this model is busy. Retry shortly.")]
     CapacityBusy { retry_after_s: u64 },
+    /// C2 with the queue at its maximum length: the same answer, at once.
+    #[error("All upstream capacity for this model is busy. Retry shortly.")]
+    CapacityQueueFull { retry_after_s: u64 },
     /// B2.
     #[error("This API key has reached its rate or concurrency limit.")]
     KeyLimited { retry_after_s: u64 },
     /// E2: every channel of the group is out of rotation until an operator restores it.
-    #[error("No channel serving model `{model}` is in rotation ({detail}). An operator must restore a channel.")]
-    NoChannelInRotation { model: String, detail: String },
+    #[error("No channel serving this model is in rotation ({detail}). An operator must restore a channel.")]
+    NoChannelInRotation { detail: String },
     /// The client hung up while its request waited (C4); nobody reads this answer.
     #[error("The client disconnected while the request waited; nothing more was sent upstream.")]
     ClientGone,
-    #[error("The request ledger is unavailable, so the request was not sent upstream.")]
+    #[error(
+        "The request ledger cannot record requests right now, so the request was not sent upstream. Retry shortly."
+    )]
     LedgerUnavailable,
-    #[error("No such endpoint: {method} {path}")]
-    NotFound { method: String, path: String },
-    #[error("Method {method} is not allowed on {path}")]
-    MethodNotAllowed { method: String, path: String },
+    #[error("The gateway is shutting down; the request was not sent upstream. Retry shortly.")]
+    ShuttingDown,
+    /// A panic: a bug, answered and recorded, never a dropped connection.
+    #[error(
+        "The gateway failed while handling this request; it was recorded. This is a bug in the gateway, not in the request."
+    )]
+    Internal,
+    #[error("No such endpoint. This gateway serves {ENDPOINTS}.")]
+    NotFound,
+    #[error("This endpoint does not accept this method.")]
+    MethodNotAllowed,
     /// The upstream failed; `kind` is what the client should see. `futile` says that a
     /// client retry cannot help either (an unknown signal held for a person, E2), so the
     /// answer carries `x-should-retry: false` even though its status is retryable.
@@ -59,40 +88,56 @@ impl GatewayError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             GatewayError::MissingKey(_) | GatewayError::InvalidKey => ErrorKind::Authentication,
+            GatewayError::ForbiddenHost => ErrorKind::Forbidden,
+            GatewayError::UnsupportedMediaType => ErrorKind::UnsupportedMediaType,
             GatewayError::PayloadTooLarge { .. } => ErrorKind::PayloadTooLarge,
-            GatewayError::InvalidRequest(_) | GatewayError::BodyRead(_) => ErrorKind::InvalidRequest,
-            GatewayError::NoChannel { .. } | GatewayError::NotFound { .. } => ErrorKind::NotFound,
-            GatewayError::MethodNotAllowed { .. } => ErrorKind::MethodNotAllowed,
-            GatewayError::CapacityBusy { .. } | GatewayError::KeyLimited { .. } => ErrorKind::RateLimited,
+            GatewayError::BodyTimeout { .. } => ErrorKind::RequestTimeout,
+            GatewayError::InvalidRequest(_) | GatewayError::BodyRead => ErrorKind::InvalidRequest,
+            GatewayError::NoChannel { .. } | GatewayError::NotFound => ErrorKind::NotFound,
+            GatewayError::MethodNotAllowed => ErrorKind::MethodNotAllowed,
+            GatewayError::CapacityBusy { .. }
+            | GatewayError::CapacityQueueFull { .. }
+            | GatewayError::KeyLimited { .. } => ErrorKind::RateLimited,
             GatewayError::NoChannelInRotation { .. } => ErrorKind::Upstream,
-            GatewayError::LedgerUnavailable => ErrorKind::Unavailable,
+            GatewayError::LedgerUnavailable | GatewayError::ShuttingDown => ErrorKind::Unavailable,
+            GatewayError::Internal => ErrorKind::Internal,
             // 499 in nginx's sense has no wire name; the answer goes nowhere anyway.
             GatewayError::ClientGone => ErrorKind::InvalidRequest,
             GatewayError::Upstream { kind, .. } => *kind,
         }
     }
 
-    /// The ledger's `error_class` for a request that ended with this error.
-    pub fn class(&self) -> &'static str {
-        match self {
-            GatewayError::MissingKey(_) | GatewayError::InvalidKey => "client_auth",
-            GatewayError::PayloadTooLarge { .. } => "payload_too_large",
-            GatewayError::InvalidRequest(_) | GatewayError::BodyRead(_) => "invalid_request",
-            GatewayError::NoChannel { .. } => "no_channel",
-            GatewayError::NotFound { .. } | GatewayError::MethodNotAllowed { .. } => "not_found",
-            GatewayError::CapacityBusy { .. } => "capacity_busy",
-            GatewayError::KeyLimited { .. } => "key_limited",
-            GatewayError::NoChannelInRotation { .. } => "no_channel_in_rotation",
-            GatewayError::LedgerUnavailable => "ledger_unavailable",
-            GatewayError::ClientGone => "client_disconnected",
-            GatewayError::Upstream { .. } => "upstream",
-        }
+    /// The ledger's class for a request that ended with this error on the gateway's side;
+    /// `None` for upstream failures, whose class is the last attempt's.
+    pub fn class(&self) -> Option<GatewayClass> {
+        Some(match self {
+            GatewayError::MissingKey(_) | GatewayError::InvalidKey | GatewayError::ForbiddenHost => {
+                GatewayClass::ClientAuth
+            }
+            GatewayError::UnsupportedMediaType => GatewayClass::UnsupportedMediaType,
+            GatewayError::PayloadTooLarge { .. } => GatewayClass::PayloadTooLarge,
+            GatewayError::BodyTimeout { .. } => GatewayClass::BodyTimeout,
+            GatewayError::InvalidRequest(_) | GatewayError::BodyRead => GatewayClass::InvalidBody,
+            GatewayError::NoChannel { .. } | GatewayError::NotFound | GatewayError::MethodNotAllowed => {
+                GatewayClass::NoChannel
+            }
+            GatewayError::CapacityBusy { .. } => GatewayClass::CapacityBusy,
+            GatewayError::CapacityQueueFull { .. } => GatewayClass::CapacityQueueFull,
+            GatewayError::KeyLimited { .. } => GatewayClass::KeyLimited,
+            GatewayError::NoChannelInRotation { .. } => GatewayClass::NoChannelInRotation,
+            GatewayError::LedgerUnavailable => GatewayClass::LedgerUnavailable,
+            GatewayError::ShuttingDown => GatewayClass::Shutdown,
+            GatewayError::Internal => GatewayClass::InternalError,
+            GatewayError::ClientGone => GatewayClass::ClientDisconnected,
+            GatewayError::Upstream { .. } => return None,
+        })
     }
 
     fn param(&self) -> Option<&str> {
         match self {
             GatewayError::InvalidRequest(e) => e.field.as_deref(),
             GatewayError::NoChannel { .. } => Some("model"),
+            GatewayError::UnsupportedMediaType => Some("content-type"),
             _ => None,
         }
     }
@@ -100,14 +145,15 @@ impl GatewayError {
     /// Seconds the client should wait, for 429/502/503 (A8, D7).
     fn retry_after_s(&self) -> Option<u64> {
         match self {
-            GatewayError::CapacityBusy { retry_after_s } | GatewayError::KeyLimited { retry_after_s } => {
-                Some(*retry_after_s)
-            }
+            GatewayError::CapacityBusy { retry_after_s }
+            | GatewayError::CapacityQueueFull { retry_after_s }
+            | GatewayError::KeyLimited { retry_after_s } => Some(*retry_after_s),
             GatewayError::Upstream {
                 retry_after_ms, kind, ..
             } if kind.retryable() => {
                 Some(retry_after_ms.map_or(1, |ms| retry_after_secs(std::time::Duration::from_millis(ms))))
             }
+            GatewayError::Internal | GatewayError::BodyTimeout { .. } => None,
             _ if self.kind().retryable() => Some(1),
             _ => None,
         }
@@ -169,7 +215,6 @@ mod tests {
         assert_eq!(r.headers()[header::RETRY_AFTER], "1");
         assert!(r.headers().get("x-should-retry").is_none());
         let r = GatewayError::NoChannelInRotation {
-            model: "m".into(),
             detail: "`a`: credential rejected".into(),
         }
         .into_response(Format::OpenAi);
@@ -178,5 +223,15 @@ mod tests {
         let r = GatewayError::KeyLimited { retry_after_s: 30 }.into_response(Format::Anthropic);
         assert_eq!(r.status(), 429);
         assert_eq!(r.headers()[header::RETRY_AFTER], "30");
+        let r = GatewayError::ShuttingDown.into_response(Format::OpenAi);
+        assert_eq!(
+            (r.status().as_u16(), &r.headers()[header::RETRY_AFTER]),
+            (503, &HeaderValue::from(1))
+        );
+        let r = GatewayError::UnsupportedMediaType.into_response(Format::Anthropic);
+        assert_eq!(
+            (r.status().as_u16(), &r.headers()["x-should-retry"]),
+            (415, &HeaderValue::from_static("false"))
+        );
     }
 }

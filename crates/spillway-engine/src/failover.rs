@@ -1,30 +1,34 @@
 //! The attempt loop of one request: an attempt, the channel's health updated from its
 //! signal (D6, E2), the F2 decision, then failover to another channel of the group (D1)
-//! or a paced retry — until an answer, or a fail-closed end with D7's status.
+//! or a paced retry — until an answer, or a fail-closed end with D7's status. It reports
+//! how the request ended; the request's [`Life`] closes it.
+//!
+//! The upstream call is a [`Caller`], so tests drive this loop directly on a paused clock
+//! with scripted outcomes, and the gateway with real HTTP.
 
+use crate::clock;
 use crate::error::GatewayError;
-use crate::ingress::now_ms;
-use crate::limits::KeySlot;
+use crate::life::{End, Life};
 use crate::retry::{self, Decision, Failure, Retryability, Stop};
 use crate::routing::{self, Admitted};
-use crate::state::{AppState, ChannelRt};
+use crate::state::{AppState, ChannelRt, Severity};
+use crate::stream::Primed;
 use crate::trace::TraceContext;
-use crate::upstream::{self, Outcome};
-use axum::body::Bytes;
-use axum::response::Response;
-use http::request::Parts;
-use spillway_ledger::{AttemptRecord, RequestRecord, RequestState};
-use spillway_wire::{ErrorClass, ErrorKind, Format, ParsedRequest, Signal};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode, Uri};
+use spillway_ledger::{AttemptRecord, Decision as Recorded};
+use spillway_wire::{ErrorClass, ErrorKind, Format, ParsedRequest, Signal, Usage};
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
 /// Everything the attempts of one request share.
-pub struct Job {
-    pub st: Arc<AppState>,
+pub struct Ctx {
     pub format: Format,
-    pub parts: Parts,
+    pub uri: Uri,
+    pub headers: HeaderMap,
     pub body: Bytes,
     pub parsed: ParsedRequest,
     pub trace: TraceContext,
@@ -36,62 +40,172 @@ pub struct Job {
     pub deadline: Instant,
     /// C2: what is left of the request's capacity-wait allowance.
     pub capacity_wait_left: Duration,
-    /// B1: the key's concurrency slot, held until the request (stream included) ends.
-    pub key_slot: Option<KeySlot>,
     /// Set when the client has hung up: a request waiting to retry then leaves the queue
     /// and sends nothing more upstream (C4).
     pub client_gone: Arc<AtomicBool>,
 }
 
-fn ms(d: Duration) -> u64 {
-    d.as_millis() as u64
+/// What one upstream call brought back.
+pub enum Attempt {
+    /// A complete answer.
+    Answer {
+        status: StatusCode,
+        content_type: HeaderValue,
+        body: Bytes,
+        usage: Usage,
+        att: AttemptRecord,
+    },
+    /// A stream that showed output (or ended cleanly without any).
+    Stream(Box<Primed>),
+    /// The provider's own 400/404/413/422 (D3): the client gets it as it came.
+    Rejected {
+        status: StatusCode,
+        body: Bytes,
+        att: AttemptRecord,
+        signal: Signal,
+    },
+    /// The attempt failed before the client saw anything.
+    Failed { att: AttemptRecord, signal: Signal },
+}
+
+/// Makes an upstream call on an admitted channel slot.
+pub trait Caller: Send + Sync + 'static {
+    fn call(
+        &self,
+        st: &AppState,
+        ctx: &Ctx,
+        att: AttemptRecord,
+        admitted: Admitted,
+    ) -> impl Future<Output = Attempt> + Send;
+}
+
+/// What the client is told for a failed attempt.
+pub(crate) fn client_error(signal: &Signal, channel: &str) -> GatewayError {
+    let (kind, message) = match signal.class {
+        ErrorClass::RateLimit => (
+            ErrorKind::RateLimited,
+            format!("Upstream channel `{channel}` is rate limiting this model. Retry after the indicated delay."),
+        ),
+        ErrorClass::Overload => (
+            ErrorKind::Upstream,
+            format!("Upstream channel `{channel}` is overloaded. Retry shortly."),
+        ),
+        ErrorClass::Quota => (
+            ErrorKind::Upstream,
+            format!("Upstream channel `{channel}` has run out of provider quota or billing credit."),
+        ),
+        ErrorClass::Auth => (
+            ErrorKind::Upstream,
+            format!(
+                "Upstream channel `{channel}` rejected the gateway's provider credential; an operator must fix the channel."
+            ),
+        ),
+        ErrorClass::Timeout => (
+            ErrorKind::Upstream,
+            format!(
+                "Upstream channel `{channel}` timed out ({}).",
+                signal.message.as_deref().unwrap_or("no answer in time")
+            ),
+        ),
+        ErrorClass::Unreachable => (
+            ErrorKind::Upstream,
+            format!("Upstream channel `{channel}` is unreachable."),
+        ),
+        ErrorClass::MalformedResponse => (
+            ErrorKind::Upstream,
+            format!(
+                "Upstream channel `{channel}` returned an answer the gateway cannot use ({}).",
+                signal.message.as_deref().unwrap_or("not the provider's shape")
+            ),
+        ),
+        ErrorClass::StreamInterrupted => (
+            ErrorKind::Upstream,
+            format!("Upstream channel `{channel}` broke off the stream before any output."),
+        ),
+        _ => (
+            ErrorKind::Upstream,
+            match signal.http_status {
+                Some(s @ 300..=399) => format!(
+                    "Upstream channel `{channel}` answered with a redirect (HTTP {s}), which the gateway does not follow."
+                ),
+                Some(s) => format!("Upstream channel `{channel}` failed with HTTP {s}."),
+                None => format!("Upstream channel `{channel}` failed."),
+            },
+        ),
+    };
+    GatewayError::Upstream {
+        kind,
+        message,
+        retry_after_ms: signal.retry_after_ms,
+        futile: false,
+    }
 }
 
 /// Runs the request from its first admitted slot to its end.
-pub async fn run(mut job: Job, mut rec: RequestRecord, first: Admitted) -> Response {
-    let st = job.st.clone();
-    let format = job.format;
-    rec.state = RequestState::CallingApi;
-    rec.admitted_at = Some(now_ms());
-    rec.served_model = Some(job.parsed.model.clone());
-    rec.channel = Some(first.channel.cfg.name.clone());
-    rec.attempts = 1;
-    if let Some(w) = first.waited {
-        rec.queued_ms = Some(ms(w));
-        st.metrics.waited(&rec, ms(w));
+pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: Admitted) -> End {
+    let st = life.st().clone();
+    if let Err(e) = life.calling_api(&first.channel.cfg.name, first.waited).await {
+        return End::refused(e);
     }
-    // I3: the request is durably `calling_api` before anything leaves for the provider.
-    if let Err(e) = st.ledger.put_request_durable(rec.clone()).await {
-        tracing::error!(error = %e, request_id = %rec.id, "ledger unavailable; refusing to call upstream");
-        return GatewayError::LedgerUnavailable.into_response(format);
-    }
-    st.metrics.started(&rec);
-
     let max_attempts = st.config.max_attempts;
+    let max_hint = st.config.upstream.max_wait_hint_ms;
     let mut admitted = first;
     let mut tried: Vec<String> = Vec::new();
-    // D7: while every failure is pacing or overload, running out answers 429, else 502.
-    let mut all_rate = true;
+    // D7: while every failure is a pacing 429 (or a capacity wait), running out answers
+    // 429; any provider failure (5xx, 529, a timeout, an unreachable channel) makes it 502.
+    let mut all_paced = true;
     loop {
         let channel = admitted.channel.clone();
         let name = channel.cfg.name.clone();
         if !tried.contains(&name) {
             tried.push(name.clone());
         }
-        let (r, mut att, signal) = match upstream::attempt(&mut job, rec, admitted).await {
-            Outcome::Answer(resp) => return resp,
-            Outcome::Failed { rec, att, signal } => (*rec, *att, signal),
+        let att = life.begin_attempt(&name);
+        let outcome = caller.call(&st, ctx, att, admitted).await;
+        life.attempt_returned();
+        let (mut att, mut signal) = match outcome {
+            Attempt::Answer {
+                status,
+                content_type,
+                body,
+                usage,
+                att,
+            } => {
+                return End::Answer {
+                    status,
+                    content_type,
+                    body,
+                    usage,
+                    att,
+                };
+            }
+            Attempt::Stream(p) => return End::Stream(p),
+            Attempt::Rejected {
+                status,
+                body,
+                att,
+                signal,
+            } => {
+                return End::PassThrough {
+                    status,
+                    body,
+                    att,
+                    signal,
+                };
+            }
+            Attempt::Failed { att, signal } => (att, signal),
         };
-        rec = r;
+        // A provider asking for an absurd wait is taken to mean the longest wait believed.
+        signal.retry_after_ms = signal.retry_after_ms.map(|v| v.min(max_hint));
+        att.retry_after_ms = signal.retry_after_ms;
         let now = Instant::now();
         if channel.health.observe_failure(&signal, &name, now) {
             alert_ejection(&st, &signal, &name);
         }
-        all_rate &= matches!(signal.class, ErrorClass::RateLimit | ErrorClass::Overload);
-        st.metrics.attempt_failed(&rec, signal.class);
+        all_paced &= signal.class == ErrorClass::RateLimit;
 
-        let remaining = job.deadline.saturating_duration_since(now);
-        let survey = routing::survey(&job.candidates, job.tokens, &tried, now);
+        let remaining = ctx.deadline.saturating_duration_since(now);
+        let survey = routing::survey(&ctx.candidates, ctx.tokens, &tried, now);
         let decision = match retry::retryability(signal.class) {
             Retryability::Never => Decision::FailClosed(Stop::NotRetryable),
             _ if survey.ready.is_empty() && survey.soonest.is_none() => Decision::FailClosed(Stop::NoChannelLeft),
@@ -114,7 +228,7 @@ pub async fn run(mut job: Job, mut rec: RequestRecord, first: Admitted) -> Respo
                 };
                 let f = Failure {
                     visible_output: false,
-                    attempts: rec.attempts,
+                    attempts: life.rec.attempts,
                     max_attempts,
                     hint,
                     failover_ready: survey.untried_ready,
@@ -126,75 +240,62 @@ pub async fn run(mut job: Job, mut rec: RequestRecord, first: Admitted) -> Respo
 
         let delay = match decision {
             Decision::FailClosed(stop) => {
-                att.decision = Some("fail_closed".into());
-                att.decision_reason = Some(stop.as_str().into());
-                let end = Stopped {
-                    stop,
-                    all_rate,
-                    channel: &name,
-                    soonest: survey.soonest,
+                att.decision = Some(Recorded::FailClosed);
+                att.decision_reason = Some(stop);
+                let err = stopped(ctx, life.rec.attempts, &signal, &name, stop, all_paced, survey.soonest);
+                return End::Error {
+                    err,
+                    class: Some(signal.class),
+                    att: Some(att),
                 };
-                return finish(&job, rec, att, &signal, end).await;
             }
             Decision::RetryNow { delay } => {
-                att.decision = Some(if survey.untried_ready { "failover" } else { "retry" }.into());
+                att.decision = Some(if survey.untried_ready {
+                    Recorded::Failover
+                } else {
+                    Recorded::Retry
+                });
                 delay
             }
             Decision::Queue { ready_at } => {
-                att.decision = Some("wait".into());
-                att.decision_reason = Some("wait_hint_over_2s".into());
+                att.decision = Some(Recorded::Wait);
                 ready_at.saturating_duration_since(now)
             }
         };
-        att.delay_ms = Some(ms(delay));
-        let ready_at_ms = now_ms() + ms(delay) as i64;
-        att.ready_at = Some(ready_at_ms);
-        st.ledger.enqueue_attempt(att);
+        att.delay_ms = Some(clock::ms(delay));
+        let ready_at = clock::now().plus(delay);
+        att.ready_at = Some(ready_at);
+        life.record_attempt(att).await;
         if delay > retry::QUEUE_THRESHOLD {
-            // F1, I5: a long wait is on record before it starts, so a restart knows when
-            // the work may resume.
-            rec.next_ready_at = Some(ready_at_ms);
-            if let Err(e) = st.ledger.put_request_durable(rec.clone()).await {
-                tracing::error!(error = %e, request_id = %rec.id, "could not record a retry's ready_at");
-            }
+            // F1, I5: a long wait is on record before it starts.
+            life.wait_until(ready_at).await;
         }
         // No channel slot is held while waiting (F1); the deadline bounds the wait.
         tokio::time::sleep(delay).await;
-        rec.next_ready_at = None;
-        if job.client_gone.load(Ordering::Relaxed) {
-            return end_with(&st, rec, format, GatewayError::ClientGone, &signal);
+        if ctx.client_gone.load(Ordering::Relaxed) {
+            return End::refused(GatewayError::ClientGone);
         }
 
         let now = Instant::now();
-        let max_wait = job.capacity_wait_left.min(job.deadline.saturating_duration_since(now));
-        let on_wait = || routing::WaitGuard::queued(&st, &rec);
-        match routing::admit(
-            &job.candidates,
-            &job.parsed.model,
-            job.tokens,
-            &tried,
-            max_wait,
-            on_wait,
-        )
-        .await
-        {
-            Ok(a) if job.client_gone.load(Ordering::Relaxed) => {
-                drop(a);
-                return end_with(&st, rec, format, GatewayError::ClientGone, &signal);
-            }
+        let max_wait = ctx.capacity_wait_left.min(ctx.deadline.saturating_duration_since(now));
+        match routing::admit(&ctx.candidates, ctx.tokens, &tried, max_wait, life.wait_guard()).await {
+            Ok(_) if ctx.client_gone.load(Ordering::Relaxed) => return End::refused(GatewayError::ClientGone),
             Ok(a) => {
                 if let Some(w) = a.waited {
-                    job.capacity_wait_left = job.capacity_wait_left.saturating_sub(w);
-                    rec.queued_ms = Some(rec.queued_ms.unwrap_or(0) + ms(w));
-                    st.metrics.waited(&rec, ms(w));
+                    ctx.capacity_wait_left = ctx.capacity_wait_left.saturating_sub(w);
                 }
-                rec.attempts += 1;
-                rec.channel = Some(a.channel.cfg.name.clone());
+                life.next_attempt(&a.channel.cfg.name, a.waited).await;
                 admitted = a;
-                // I5: the attempt count is on record as each attempt starts.
-                st.ledger.enqueue_request(rec.clone());
             }
-            Err(e) => return end_with(&st, rec, format, e, &signal),
+            Err(e) => {
+                // The loop could not get another slot: the last attempt's class tells why
+                // the request failed, the error what the client hears.
+                return End::Error {
+                    err: e,
+                    class: Some(signal.class),
+                    att: None,
+                };
+            }
         }
     }
 }
@@ -202,7 +303,7 @@ pub async fn run(mut job: Job, mut rec: RequestRecord, first: Admitted) -> Respo
 fn alert_ejection(st: &AppState, signal: &Signal, channel: &str) {
     match signal.class {
         ErrorClass::Auth => st.alert(
-            "critical",
+            Severity::Critical,
             format!("Channel {channel} rejected its provider credential"),
             format!(
                 "HTTP {}: the channel is out of rotation; fix the key behind it, then restore it in the console.",
@@ -211,7 +312,7 @@ fn alert_ejection(st: &AppState, signal: &Signal, channel: &str) {
             Some(channel.to_owned()),
         ),
         ErrorClass::Quota => st.alert(
-            "critical",
+            Severity::Critical,
             format!("Channel {channel} is out of provider quota"),
             format!(
                 "{}: the channel is out of rotation until {}; raise the quota or billing limit with the provider.",
@@ -227,105 +328,53 @@ fn alert_ejection(st: &AppState, signal: &Signal, channel: &str) {
     }
 }
 
-/// How the loop stopped, for D7's answer.
-struct Stopped<'a> {
-    stop: Stop,
-    /// Every failure was pacing or overload.
-    all_rate: bool,
-    /// The channel of the last attempt.
-    channel: &'a str,
-    /// The soonest a channel of the group takes work again.
-    soonest: Option<Duration>,
-}
-
 /// D7: the failure the client gets once the loop stops.
-async fn finish(
-    job: &Job,
-    mut rec: RequestRecord,
-    mut att: AttemptRecord,
+fn stopped(
+    ctx: &Ctx,
+    attempts: u32,
     signal: &Signal,
-    end: Stopped<'_>,
-) -> Response {
-    let Stopped {
-        stop,
-        all_rate,
-        channel,
-        soonest,
-    } = end;
+    channel: &str,
+    stop: Stop,
+    all_paced: bool,
+    soonest: Option<Duration>,
+) -> GatewayError {
     let retry_after = signal.retry_after_ms.map(Duration::from_millis).or(soonest);
-    let n = rec.attempts;
-    let plural = if n == 1 { "attempt" } else { "attempts" };
-    let base = upstream::client_error(signal, channel);
-    let err = match stop {
+    let plural = if attempts == 1 { "attempt" } else { "attempts" };
+    let base = client_error(signal, channel);
+    if stop == Stop::NoChannelLeft && retry::retryability(signal.class) == Retryability::ChannelFault {
         // The channel's own credential or quota failed and no channel is left: the
         // failure stays visible (E2), and only an operator can change it.
-        Stop::NoChannelLeft if signal_is_channel_fault(signal) => GatewayError::Upstream {
+        return GatewayError::Upstream {
             kind: ErrorKind::Upstream,
             message: format!(
                 "{base} No other channel serving model `{}` is in rotation; an operator must restore one.",
-                job.parsed.model
+                ctx.parsed.model
             ),
-            retry_after_ms: retry_after.map(ms),
+            retry_after_ms: retry_after.map(clock::ms),
             futile: soonest.is_none(),
-        },
-        _ => {
-            let kind = if all_rate {
-                ErrorKind::RateLimited
-            } else {
-                ErrorKind::Upstream
-            };
-            let why = match stop {
-                Stop::AttemptBudgetExhausted => format!(" Gave up after {n} {plural}."),
-                Stop::RetryAfterExceedsDeadline => format!(
-                    " The provider asks for a wait of {} s, past this request's deadline ({n} {plural} made).",
-                    retry_after.map_or(0, |d| d.as_millis().div_ceil(1000))
-                ),
-                Stop::NoChannelLeft => format!(" No other channel serves this model ({n} {plural} made)."),
-                Stop::NotRetryable => " The gateway does not retry this outcome; an operator should look at it.".into(),
-                Stop::PartialOutputCommitted => String::new(),
-            };
-            GatewayError::Upstream {
-                kind,
-                message: format!("{base}{why}"),
-                retry_after_ms: retry_after.map(ms),
-                // An outcome nobody recognises is held for a person (E2): a client retry
-                // cannot tell more.
-                futile: stop == Stop::NotRetryable,
-            }
-        }
+        };
+    }
+    let kind = if all_paced {
+        ErrorKind::RateLimited
+    } else {
+        ErrorKind::Upstream
     };
-    let at = *att.finished_at.get_or_insert_with(now_ms);
-    rec.fail(
-        Some(err.kind().status()),
-        signal.class.as_str(),
-        upstream::truncate(err.to_string()),
-        at,
-    );
-    let mut resp = err.into_response(job.format);
-    upstream::gateway_headers(resp.headers_mut(), &rec);
-    upstream::record(&job.st, rec, att).await;
-    resp
-}
-
-fn signal_is_channel_fault(s: &Signal) -> bool {
-    retry::retryability(s.class) == Retryability::ChannelFault
-}
-
-/// The loop could not get another slot (capacity busy within the wait, or every channel
-/// gone): the request ends with that error; the last attempt's signal is its class.
-fn end_with(st: &AppState, mut rec: RequestRecord, format: Format, err: GatewayError, last: &Signal) -> Response {
-    let now = now_ms();
-    let gone = matches!(err, GatewayError::ClientGone);
-    rec.fail(
-        // Nobody receives an answer to a client that left.
-        (!gone).then(|| err.kind().status()),
-        if gone { err.class() } else { last.class.as_str() },
-        upstream::truncate(format!("{err} (after {} failed attempt(s))", rec.attempts)),
-        now,
-    );
-    st.metrics.finished(&rec, true, now);
-    let mut resp = err.into_response(format);
-    upstream::gateway_headers(resp.headers_mut(), &rec);
-    st.ledger.enqueue_request(rec);
-    resp
+    let why = match stop {
+        Stop::AttemptBudgetExhausted => format!(" Gave up after {attempts} {plural}."),
+        Stop::RetryAfterExceedsDeadline => format!(
+            " The provider asks for a wait of {} s, past this request's deadline ({attempts} {plural} made).",
+            retry_after.map_or(0, |d| d.as_millis().div_ceil(1000))
+        ),
+        Stop::NoChannelLeft => format!(" No other channel serves this model ({attempts} {plural} made)."),
+        Stop::NotRetryable => " The gateway does not retry this outcome; an operator should look at it.".into(),
+        _ => String::new(),
+    };
+    GatewayError::Upstream {
+        kind,
+        message: format!("{base}{why}"),
+        retry_after_ms: retry_after.map(clock::ms),
+        // An outcome nobody recognises is held for a person (E2): a client retry cannot
+        // tell more.
+        futile: stop == Stop::NotRetryable,
+    }
 }

@@ -63,11 +63,22 @@ impl Default for Health {
     }
 }
 
+/// A channel's place in rotation, as the console shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, TS)]
+#[serde(rename_all = "snake_case")]
+pub enum RotationState {
+    /// Takes new work.
+    Ready,
+    /// A provider's wait hint keeps it out of new work until it passes (D6, E3).
+    Paced,
+    /// Its credential or quota was refused (E2): out until a reset or an operator.
+    Ejected,
+}
+
 /// What the console shows for a channel's rotation.
 #[derive(Clone, Debug, Serialize, TS)]
 pub struct HealthView {
-    /// `ready`, `paced` or `ejected`.
-    pub state: String,
+    pub state: RotationState,
     pub reason: Option<String>,
     /// Milliseconds until the channel takes new work again; absent when ready, or when
     /// only an operator can restore it.
@@ -227,14 +238,18 @@ impl Health {
             let since = now.saturating_duration_since(i.room_at);
             let live = |reset: Option<u64>| reset.is_some_and(|r| since < Duration::from_millis(r));
             let (state, reason, back_in) = match &i.rotation {
-                Rotation::Ready => ("ready", None, None),
-                Rotation::Paced { until, reason } => ("paced", Some(reason.clone()), Some(left(*until, now))),
-                Rotation::Ejected { until, reason, .. } => {
-                    ("ejected", Some(reason.clone()), until.map(|u| left(u, now)))
+                Rotation::Ready => (RotationState::Ready, None, None),
+                Rotation::Paced { until, reason } => {
+                    (RotationState::Paced, Some(reason.clone()), Some(left(*until, now)))
                 }
+                Rotation::Ejected { until, reason, .. } => (
+                    RotationState::Ejected,
+                    Some(reason.clone()),
+                    until.map(|u| left(u, now)),
+                ),
             };
             HealthView {
-                state: state.into(),
+                state,
                 reason,
                 back_in_ms: back_in.map(|d| d.as_millis() as u64),
                 remaining_requests: i.room.remaining_requests.filter(|_| live(i.room.reset_requests_ms)),
@@ -314,7 +329,7 @@ mod tests {
         let h = Health::default();
         h.observe_failure(&signal(ErrorClass::Quota, 429, Some(60_000)), "a", Instant::now());
         let v = h.view(Instant::now());
-        assert_eq!((v.state.as_str(), v.back_in_ms), ("ejected", Some(60_000)));
+        assert_eq!((v.state, v.back_in_ms), (RotationState::Ejected, Some(60_000)));
         assert!(v.reason.unwrap().contains("quota"));
         tokio::time::advance(Duration::from_secs(60)).await;
         assert_eq!(h.check(1, Instant::now()), Ok(()));

@@ -1,12 +1,22 @@
-//! Ingress: the provider-shaped routes (A1), client auth per format (A2), size and shape
-//! checks (A5), and the request record that follows the request to the ledger.
+//! Ingress: the provider-shaped routes (A1), client auth per format (A2), and the checks
+//! that refuse a request cheaply, cheapest first: the Host it names (P1), its key, its
+//! content type and declared size, its key's limits — all before a byte of its body is
+//! read — then the body itself (deadline, size, one valid UTF-8 JSON value of the
+//! endpoint's shape, A5), the model's channels, and a place in the capacity queue (C2).
+//! Every refusal answers in the caller's format; a request with a valid key gets its
+//! ledger row, one without is only counted.
 
+use crate::clock;
 use crate::error::GatewayError;
-use crate::failover::{self, Job};
+use crate::failover::{self, Caller, Ctx};
+use crate::life::{End, Life};
 use crate::limits::KEY_WAIT;
+use crate::metrics::{RejectReason, Rejection};
 use crate::routing;
+use crate::server::ConnState;
 use crate::state::AppState;
 use crate::trace::{TraceContext, request_id};
+use crate::upstream::HttpCaller;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
@@ -15,38 +25,56 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http_body_util::{BodyExt, Limited};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use spillway_ledger::RequestRecord;
-use spillway_wire::{ErrorKind, Format, parse_request};
+use spillway_wire::{Format, parse_request, request::valid_model_name};
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// The gateway's id for this request, set by [`request_id_layer`] before any handler runs.
 #[derive(Clone, Debug)]
 pub struct RequestId(pub String);
 
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+/// The routes, with the real upstream.
+pub fn router(state: Arc<AppState>) -> Router {
+    router_with(state, Arc::new(HttpCaller))
 }
 
-pub fn router(state: Arc<AppState>) -> Router {
+/// The routes, with `caller` making the upstream calls (tests script it).
+pub fn router_with<C: Caller>(state: Arc<AppState>, caller: Arc<C>) -> Router {
+    let c = caller.clone();
+    let openai = move |State(st): State<Arc<AppState>>, req: Request| {
+        let c = c.clone();
+        async move { handle(st, c, Format::OpenAi, None, false, req).await }
+    };
+    let c = caller.clone();
+    let anthropic = move |State(st): State<Arc<AppState>>, req: Request| {
+        let c = c.clone();
+        async move { handle(st, c, Format::Anthropic, None, false, req).await }
+    };
+    let c = caller;
+    let gemini = move |State(st): State<Arc<AppState>>, Path(model_action): Path<String>, req: Request| {
+        let c = c.clone();
+        async move { gemini_generate(st, c, model_action, req).await }
+    };
     Router::new()
-        .route("/v1/chat/completions", post(openai_chat))
-        .route("/v1/messages", post(anthropic_messages))
-        .route("/v1beta/models/{model_action}", post(gemini_generate))
-        .route("/v1/models/{model_action}", post(gemini_generate))
+        .route("/v1/chat/completions", post(openai))
+        .route("/v1/messages", post(anthropic))
+        .route("/v1beta/models/{model_action}", post(gemini.clone()))
+        .route("/v1/models/{model_action}", post(gemini))
         .route("/v1/models", get(list_models))
         .route("/v1beta/models", get(list_models_gemini))
         .route("/healthz", get(|| async { "ok" }))
         .merge(crate::admin::router(state.clone()))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(catch_panic))
+        .layer(middleware::from_fn_with_state(state.clone(), host_guard))
         .layer(middleware::from_fn(request_id_layer))
         .with_state(state)
 }
@@ -62,63 +90,84 @@ async fn request_id_layer(mut req: Request, next: Next) -> Response {
     resp
 }
 
+/// P1: only Host names that are loopback or listed in `allowed_hosts` are answered, so a
+/// web page cannot reach the gateway (or its console) through a DNS name that happens to
+/// resolve to this machine.
+async fn host_guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let host = req
+        .uri()
+        .authority()
+        .map(|a| a.as_str().to_owned())
+        .or_else(|| header_str(req.headers(), "host").map(str::to_owned));
+    match host {
+        // HTTP/1.0 without a Host: no browser sends that.
+        None => next.run(req).await,
+        Some(h) if st.config.host_allowed(&h) => next.run(req).await,
+        Some(_) => {
+            let format = format_for_path(req.uri().path());
+            st.metrics.rejected(Rejection {
+                at: clock::now(),
+                reason: RejectReason::ForbiddenHost,
+                format,
+                peer: peer(&req),
+            });
+            GatewayError::ForbiddenHost.into_response(format)
+        }
+    }
+}
+
+/// A panic in a handler is a bug: the client gets a 500 in its format and the server goes
+/// on (the request's record was closed as the panic unwound through its owner).
+async fn catch_panic(req: Request, next: Next) -> Response {
+    let format = format_for_path(req.uri().path());
+    match AssertUnwindSafe(next.run(req)).catch_unwind().await {
+        Ok(r) => r,
+        Err(_) => {
+            tracing::error!("a request handler panicked; answered 500");
+            GatewayError::Internal.into_response(format)
+        }
+    }
+}
+
+fn peer(req: &Request) -> Option<String> {
+    req.extensions()
+        .get::<Arc<ConnState>>()
+        .map(|c| c.peer.ip().to_string())
+}
+
 fn format_for_path(path: &str) -> Format {
-    if path.starts_with("/v1beta") {
+    if path.starts_with("/v1beta") || (path.starts_with("/v1/models/") && path.contains(':')) {
         Format::Gemini
-    } else if path == "/v1/messages" {
+    } else if path.starts_with("/v1/messages") {
         Format::Anthropic
     } else {
         Format::OpenAi
     }
 }
 
-/// API paths get a 404 in their format; anything else is the console, when it is served.
+/// API paths get a 404 in their format; anything else is the console.
 async fn fallback(State(st): State<Arc<AppState>>, method: Method, uri: Uri) -> Response {
     let p = uri.path();
     let api = p.starts_with("/v1") || p.starts_with("/admin") || p.starts_with("/healthz");
-    match (&st.ui_dir, api, method == Method::GET) {
-        (Some(dir), false, true) => crate::admin::console(dir.clone(), p).await,
-        _ => not_found(method, uri).await,
+    if !api && (method == Method::GET || method == Method::HEAD) {
+        return st.console.serve(p).await;
     }
+    GatewayError::NotFound.into_response(format_for_path(p))
 }
 
-async fn not_found(method: Method, uri: Uri) -> Response {
-    GatewayError::NotFound {
-        method: method.to_string(),
-        path: uri.path().to_owned(),
-    }
-    .into_response(format_for_path(uri.path()))
+async fn method_not_allowed(uri: Uri) -> Response {
+    GatewayError::MethodNotAllowed.into_response(format_for_path(uri.path()))
 }
 
-async fn method_not_allowed(method: Method, uri: Uri) -> Response {
-    GatewayError::MethodNotAllowed {
-        method: method.to_string(),
-        path: uri.path().to_owned(),
-    }
-    .into_response(format_for_path(uri.path()))
-}
-
-async fn openai_chat(State(st): State<Arc<AppState>>, req: Request) -> Response {
-    handle(st, Format::OpenAi, None, false, req).await
-}
-
-async fn anthropic_messages(State(st): State<Arc<AppState>>, req: Request) -> Response {
-    handle(st, Format::Anthropic, None, false, req).await
-}
-
-async fn gemini_generate(State(st): State<Arc<AppState>>, Path(model_action): Path<String>, req: Request) -> Response {
+async fn gemini_generate<C: Caller>(st: Arc<AppState>, caller: Arc<C>, model_action: String, req: Request) -> Response {
     let parsed = model_action.rsplit_once(':').and_then(|(model, action)| match action {
         "generateContent" => Some((model.to_owned(), false)),
         "streamGenerateContent" => Some((model.to_owned(), true)),
         _ => None,
     });
     match parsed {
-        Some((model, stream)) => handle(st, Format::Gemini, Some(model), stream, req).await,
-        None => GatewayError::NotFound {
-            method: "POST".into(),
-            path: req.uri().path().to_owned(),
-        }
-        .into_response(Format::Gemini),
+        Some((model, stream)) => handle(st, caller, Format::Gemini, Some(model), stream, req).await,
+        None => GatewayError::NotFound.into_response(Format::Gemini),
     }
 }
 
@@ -166,6 +215,20 @@ fn authenticate(
     st.keys.get(&digest).cloned().ok_or(GatewayError::InvalidKey)
 }
 
+/// Refused before it had a key: counted and listed, no ledger row.
+fn refuse_unauthenticated(st: &AppState, format: Format, conn: Option<&Arc<ConnState>>, err: GatewayError) -> Response {
+    st.metrics.rejected(Rejection {
+        at: clock::now(),
+        reason: match err {
+            GatewayError::MissingKey(_) => RejectReason::MissingKey,
+            _ => RejectReason::InvalidKey,
+        },
+        format,
+        peer: conn.map(|c| c.peer.ip().to_string()),
+    });
+    err.into_response(format)
+}
+
 /// A client-chosen id worth recording: bounded and printable, so it cannot bloat the ledger.
 fn client_request_id(headers: &HeaderMap) -> Option<String> {
     header_str(headers, "x-client-request-id")
@@ -173,44 +236,60 @@ fn client_request_id(headers: &HeaderMap) -> Option<String> {
         .map(str::to_owned)
 }
 
-async fn read_body(body: Body, limit: u64, headers: &HeaderMap) -> Result<Bytes, GatewayError> {
-    if let Some(len) = header_str(headers, "content-length").and_then(|v| v.parse::<u64>().ok())
-        && len > limit
-    {
-        return Err(GatewayError::PayloadTooLarge { limit });
+/// The endpoint as the ledger records it: the route, with the Gemini model as a
+/// placeholder (the model is its own column), never the client's raw path.
+fn endpoint(format: Format, path: &str, stream: bool) -> &'static str {
+    match format {
+        Format::OpenAi => "/v1/chat/completions",
+        Format::Anthropic => "/v1/messages",
+        Format::Gemini => match (path.starts_with("/v1beta/"), stream) {
+            (true, false) => "/v1beta/models/{model}:generateContent",
+            (true, true) => "/v1beta/models/{model}:streamGenerateContent",
+            (false, false) => "/v1/models/{model}:generateContent",
+            (false, true) => "/v1/models/{model}:streamGenerateContent",
+        },
     }
-    match Limited::new(body, limit as usize).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+}
+
+/// Only `application/json` (parameters such as a charset allowed).
+fn is_json(headers: &HeaderMap) -> bool {
+    header_str(headers, "content-type").is_some_and(|v| {
+        let essence = v.split(';').next().unwrap_or_default().trim();
+        essence.eq_ignore_ascii_case("application/json")
+    })
+}
+
+async fn read_body(body: Body, limit: u64, deadline: Duration) -> Result<Bytes, GatewayError> {
+    match tokio::time::timeout(deadline, Limited::new(body, limit as usize).collect()).await {
+        Err(_) => Err(GatewayError::BodyTimeout {
+            ms: clock::ms(deadline),
+        }),
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
             Err(GatewayError::PayloadTooLarge { limit })
         }
-        Err(e) => Err(GatewayError::BodyRead(e.to_string())),
+        Ok(Err(_)) => Err(GatewayError::BodyRead),
     }
 }
 
-/// A request that ends before any upstream call: recorded as failed (so rejected traffic
-/// is visible to operators), answered in the caller's format.
-async fn reject(st: &AppState, mut rec: RequestRecord, format: Format, err: GatewayError) -> Response {
-    let now = now_ms();
-    rec.fail(Some(err.kind().status()), err.class(), err.to_string(), now);
-    // C3: nothing went upstream, so nothing is billed.
-    rec.cost_usd = Some(0.0);
-    st.metrics.finished(&rec, false, now);
-    if let Err(e) = st.ledger.put_request(rec).await {
-        tracing::error!(error = %e, "could not record a rejected request");
-    }
-    err.into_response(format)
-}
-
-async fn handle(
+async fn handle<C: Caller>(
     st: Arc<AppState>,
+    caller: Arc<C>,
     format: Format,
     path_model: Option<String>,
     path_stream: bool,
     req: Request,
 ) -> Response {
-    let received_at = now_ms();
+    let received_at = clock::now();
     let (parts, body) = req.into_parts();
+    let conn = parts.extensions.get::<Arc<ConnState>>().cloned();
+    if st.shutdown.draining.is_cancelled() {
+        return GatewayError::ShuttingDown.into_response(format);
+    }
+    let key = match authenticate(&st, format, &parts.headers, &parts.uri) {
+        Ok(k) => k,
+        Err(e) => return refuse_unauthenticated(&st, format, conn.as_ref(), e),
+    };
     let id = parts
         .extensions
         .get::<RequestId>()
@@ -220,75 +299,81 @@ async fn handle(
     let mut rec = RequestRecord::received(
         id,
         trace.trace_id.clone(),
-        format.as_str(),
-        parts.uri.path(),
+        format,
+        endpoint(format, parts.uri.path(), path_stream),
         received_at,
     );
     rec.client_request_id = client_request_id(&parts.headers);
-    rec.requested_model = path_model.clone();
+    rec.requested_model = path_model.filter(|m| valid_model_name(m));
     rec.stream = path_stream;
-
-    let key = match authenticate(&st, format, &parts.headers, &parts.uri) {
-        Ok(k) => k,
-        Err(e) => return reject(&st, rec, format, e).await,
-    };
     rec.key_name = Some(key.key.name.clone());
     rec.owner = Some(key.key.owner.clone());
+    let mut life = Life::new(st.clone(), rec, conn);
 
-    let bytes = match read_body(body, st.config.max_body_bytes, &parts.headers).await {
-        Ok(b) => b,
-        Err(e) => return reject(&st, rec, format, e).await,
-    };
-    // I6: the prompt itself is not stored, only its hash.
-    rec.body_sha256 = Some(hex::encode(Sha256::digest(&bytes)));
-    let parsed = match parse_request(format, path_model.as_deref(), path_stream, &bytes) {
-        Ok(p) => p,
-        Err(e) => return reject(&st, rec, format, e.into()).await,
-    };
-    rec.requested_model = Some(parsed.model.clone());
-    rec.stream = parsed.stream;
-    rec.route = Some(format!("{format}/{}", parsed.model));
-
-    let candidates = routing::candidates(&st, format, &parsed.model);
-    if candidates.is_empty() {
-        let e = GatewayError::NoChannel {
-            model: parsed.model.clone(),
-            format,
-        };
-        return reject(&st, rec, format, e).await;
+    // Cheap refusals first: nothing of the body has been read yet.
+    if !st.ledger.health().ok {
+        return life.close(End::refused(GatewayError::LedgerUnavailable)).await;
     }
-
+    if !is_json(&parts.headers) {
+        return life.close(End::refused(GatewayError::UnsupportedMediaType)).await;
+    }
+    let limit = st.config.max_body_bytes;
+    if header_str(&parts.headers, "content-length")
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|len| len > limit)
+    {
+        return life.close(End::refused(GatewayError::PayloadTooLarge { limit })).await;
+    }
     // From here the request may wait (key room, capacity); a client that hangs up while
-    // it waits leaves the queue with nothing sent upstream (C4), and the ledger says so.
-    let abandon = Abandoned(Some((&st, &rec)));
+    // it waits leaves with nothing sent upstream (C4), and its record says so.
     let deadline = tokio::time::Instant::now() + Duration::from_millis(st.config.total_deadline_ms);
-    let key_slot = match key.limits.acquire(KEY_WAIT).await {
-        Ok(slot) => slot,
+    match key.limits.acquire(KEY_WAIT).await {
+        Ok(slot) => life.hold_key(slot),
         Err(over) => {
-            abandon.disarm();
             let e = GatewayError::KeyLimited {
                 retry_after_s: over.retry_after_s,
             };
-            return reject(&st, rec, format, e).await;
+            return life.close(End::refused(e)).await;
         }
+    }
+
+    let body_deadline = Duration::from_millis(st.config.server.body_read_timeout_ms);
+    let bytes = match read_body(body, limit, body_deadline).await {
+        Ok(b) => b,
+        Err(e) => return life.close(End::refused(e)).await,
     };
+    // I6: the prompt itself is not stored, only its hash.
+    life.rec.body_sha256 = Some(hex::encode(Sha256::digest(&bytes)));
+    let parsed = match parse_request(format, life.rec.requested_model.as_deref(), path_stream, &bytes) {
+        Ok(p) => p,
+        Err(e) => return life.close(End::refused(e.into())).await,
+    };
+    #[cfg(test)]
+    if parsed.model == "spillway-test-panic-in-handler" {
+        panic!("a test asked the handler to panic");
+    }
+    life.rec.requested_model = Some(parsed.model.clone());
+    life.rec.stream = parsed.stream;
+    life.rec.endpoint = endpoint(format, parts.uri.path(), parsed.stream).to_owned();
+    life.rec.route = Some(format!("{format}/{}", parsed.model));
+    life.set_route();
+
+    let candidates = routing::candidates(&st, format, &parsed.model);
+    if candidates.is_empty() {
+        return life.close(End::refused(GatewayError::NoChannel { format })).await;
+    }
     let tokens = parsed.estimated_input_tokens + parsed.max_output_tokens.unwrap_or(0);
     let capacity_wait = Duration::from_millis(st.config.capacity_wait_ms)
         .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
-    let on_wait = || routing::WaitGuard::queued(&st, &rec);
-    let admitted = match routing::admit(&candidates, &parsed.model, tokens, &[], capacity_wait, on_wait).await {
+    let admitted = match routing::admit(&candidates, tokens, &[], capacity_wait, life.wait_guard()).await {
         Ok(a) => a,
-        Err(e) => {
-            abandon.disarm();
-            return reject(&st, rec, format, e).await;
-        }
+        Err(e) => return life.close(End::refused(e)).await,
     };
-    abandon.disarm();
     let client_gone = Arc::new(AtomicBool::new(false));
-    let job = Job {
-        st: st.clone(),
+    let mut ctx = Ctx {
         format,
-        parts,
+        uri: parts.uri,
+        headers: parts.headers,
         body: bytes,
         capacity_wait_left: capacity_wait.saturating_sub(admitted.waited.unwrap_or_default()),
         parsed,
@@ -296,7 +381,6 @@ async fn handle(
         candidates,
         tokens,
         deadline,
-        key_slot: Some(key_slot),
         client_gone: client_gone.clone(),
     };
     // Dropped when the client hangs up (or when the answer is sent, when it no longer matters).
@@ -304,19 +388,21 @@ async fn handle(
 
     // The attempts run in their own task so that a client hanging up mid-call cannot cut
     // the request short halfway: the provider's answer is still read, metered and
-    // recorded. (A stream's end is recorded by the stream itself, however it ends.)
-    let request_id = rec.id.clone();
-    match tokio::spawn(failover::run(job, rec, admitted)).await {
+    // recorded. A shutdown past its drain deadline cuts it, and its record says how.
+    let task = tokio::spawn(async move {
+        let cancel = life.st().shutdown.cancel.clone();
+        let end = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => End::Cancelled,
+            end = failover::run(&mut ctx, &mut life, &*caller, admitted) => end,
+        };
+        life.close(end).await
+    });
+    match task.await {
         Ok(resp) => resp,
         Err(e) => {
-            tracing::error!(error = %e, request_id, "upstream task failed");
-            GatewayError::Upstream {
-                kind: ErrorKind::Upstream,
-                message: "The gateway failed while calling the provider.".into(),
-                retry_after_ms: None,
-                futile: false,
-            }
-            .into_response(format)
+            tracing::error!(error = %e, "an attempt task failed; answered 500");
+            GatewayError::Internal.into_response(format)
         }
     }
 }
@@ -327,35 +413,6 @@ struct HangUp(Arc<AtomicBool>);
 impl Drop for HangUp {
     fn drop(&mut self) {
         self.0.store(true, Ordering::Relaxed);
-    }
-}
-
-/// A request still waiting at ingress. Dropped armed — the client went away — it records
-/// the request as failed with nothing sent upstream (C4). It borrows the record, so only
-/// an abandoned request pays for a copy of it.
-struct Abandoned<'a>(Option<(&'a AppState, &'a RequestRecord)>);
-
-impl Abandoned<'_> {
-    fn disarm(mut self) {
-        self.0 = None;
-    }
-}
-
-impl Drop for Abandoned<'_> {
-    fn drop(&mut self) {
-        if let Some((st, rec)) = self.0.take() {
-            let mut rec = rec.clone();
-            let now = now_ms();
-            rec.fail(
-                None,
-                GatewayError::ClientGone.class(),
-                GatewayError::ClientGone.to_string(),
-                now,
-            );
-            rec.cost_usd = Some(0.0);
-            st.metrics.finished(&rec, false, now);
-            st.ledger.enqueue_request(rec);
-        }
     }
 }
 
@@ -373,14 +430,17 @@ fn models_for(st: &AppState, format: Format) -> Vec<String> {
 
 /// `GET /v1/models`: OpenAI's list shape, or Anthropic's when the caller is the Anthropic
 /// SDK (it sends `anthropic-version`).
-async fn list_models(State(st): State<Arc<AppState>>, headers: HeaderMap, uri: Uri) -> Response {
+async fn list_models(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let (parts, _) = req.into_parts();
+    let headers = &parts.headers;
     let format = if headers.contains_key("anthropic-version") || headers.contains_key("x-api-key") {
         Format::Anthropic
     } else {
         Format::OpenAi
     };
-    if let Err(e) = authenticate(&st, format, &headers, &uri) {
-        return e.into_response(format);
+    let conn = parts.extensions.get::<Arc<ConnState>>();
+    if let Err(e) = authenticate(&st, format, headers, &parts.uri) {
+        return refuse_unauthenticated(&st, format, conn, e);
     }
     let models = models_for(&st, format);
     let body = match format {
@@ -395,9 +455,11 @@ async fn list_models(State(st): State<Arc<AppState>>, headers: HeaderMap, uri: U
     axum::Json(body).into_response()
 }
 
-async fn list_models_gemini(State(st): State<Arc<AppState>>, headers: HeaderMap, uri: Uri) -> Response {
-    if let Err(e) = authenticate(&st, Format::Gemini, &headers, &uri) {
-        return e.into_response(Format::Gemini);
+async fn list_models_gemini(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let (parts, _) = req.into_parts();
+    let conn = parts.extensions.get::<Arc<ConnState>>();
+    if let Err(e) = authenticate(&st, Format::Gemini, &parts.headers, &parts.uri) {
+        return refuse_unauthenticated(&st, Format::Gemini, conn, e);
     }
     let models = models_for(&st, Format::Gemini);
     axum::Json(
@@ -427,5 +489,22 @@ mod tests {
         assert_eq!(presented_key(Format::Gemini, &h, &uri), Some("sk-g"));
         // The OpenAI format only reads Bearer, as the OpenAI API does.
         assert_eq!(presented_key(Format::OpenAi, &h, &uri), Some("sk-b"));
+    }
+
+    #[test]
+    fn a5_only_json_bodies() {
+        // spec: A5
+        let mut h = HeaderMap::new();
+        assert!(!is_json(&h));
+        for (v, ok) in [
+            ("application/json", true),
+            ("Application/JSON; charset=utf-8", true),
+            ("application/x-www-form-urlencoded", false),
+            ("text/plain", false),
+            ("application/jsonp", false),
+        ] {
+            h.insert("content-type", v.parse().unwrap());
+            assert_eq!(is_json(&h), ok, "{v}");
+        }
     }
 }

@@ -1,35 +1,48 @@
-//! The gateway. A request flows one way through these modules:
-//! [`ingress`] (wire format, auth, size and shape checks) → [`routing`] (channels that
-//! speak the format and serve the model, capacity) → [`upstream`] (the attempt, its
-//! classification, streaming pass-through) → the ledger, written at each state change.
-//! [`error`] is the one place where a gateway error becomes a status and a body in the
-//! caller's format; [`embedded`] builds the zero-config default (simulated or real
-//! providers) that `spillway serve` and the desktop shell start with.
+//! The gateway. A request flows one way through these modules: [`server`] (connections and
+//! their limits) → [`ingress`] (Host, wire format, auth, cheap refusals, body checks) →
+//! [`routing`] (channels that speak the format and serve the model, capacity) →
+//! [`failover`] (the attempt loop and its F2 decisions) → [`upstream`] (the call, its
+//! classification) → [`stream`] (a stream's pass-through). One [`life::Life`] owns each
+//! request from its key to its last record and is the only place that closes it. [`error`]
+//! is the one place where a gateway error becomes a status and a body in the caller's
+//! format.
+//!
+//! The library knows nothing of the simulator or the demo: the `spillway` binary and the
+//! desktop shell wire those in.
 
 pub mod admin;
-pub mod embedded;
+pub mod clock;
+pub mod console;
 pub mod error;
 pub mod failover;
 pub mod health;
 pub mod ingress;
+pub mod life;
 pub mod limits;
 pub mod metrics;
 pub mod retry;
 pub mod routing;
+pub mod server;
 pub mod state;
+pub mod stream;
 pub mod trace;
 pub mod upstream;
 
+#[cfg(test)]
+mod tests;
+
+pub use console::Console;
 pub use error::GatewayError;
 pub use state::AppState;
 
 use spillway_ledger::Ledger;
 use spillway_policy::Config;
+use state::Severity;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+use std::time::Duration;
+use tokio::sync::watch;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -39,8 +52,6 @@ pub enum Error {
     Listen { addr: SocketAddr, source: std::io::Error },
     #[error("cannot build the upstream HTTP client: {0}")]
     Client(String),
-    #[error(transparent)]
-    Sim(#[from] spillway_sim::Error),
     #[error("no data directory: set SPILLWAY_DATA_DIR or HOME")]
     NoDataDir,
     #[error("cannot read or create the admin token in {dir}: {source}")]
@@ -58,21 +69,6 @@ pub fn data_dir() -> Result<PathBuf> {
     dirs::data_dir().map(|d| d.join("spillway")).ok_or(Error::NoDataDir)
 }
 
-/// The built console to serve: `flag`, then `$SPILLWAY_UI_DIR`, then `ui/dist` of the source
-/// tree the running binary was built in (`target/<profile>/<binary>`).
-pub fn console_dir(flag: Option<PathBuf>) -> Option<PathBuf> {
-    flag.or_else(|| {
-        std::env::var_os("SPILLWAY_UI_DIR")
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    })
-    .or_else(|| {
-        let exe = std::env::current_exe().ok()?;
-        let dist = exe.parent()?.parent()?.parent()?.join("ui").join("dist");
-        dist.join("index.html").is_file().then_some(dist)
-    })
-}
-
 /// The admin token in the data directory, created on first use.
 pub fn admin_token() -> Result<admin::AdminToken> {
     let dir = data_dir()?;
@@ -86,65 +82,145 @@ pub fn admin_token() -> Result<admin::AdminToken> {
 pub struct Running {
     pub addr: SocketAddr,
     pub state: Arc<AppState>,
-    stop: Option<oneshot::Sender<()>>,
-    server: JoinHandle<std::io::Result<()>>,
+    server_done: watch::Receiver<bool>,
+    finished: tokio::sync::Mutex<Option<std::result::Result<(), String>>>,
 }
 
 impl Running {
-    /// Stops accepting, lets in-flight requests (streams included) finish, then flushes
-    /// the ledger.
-    pub async fn shutdown(mut self) -> Result<()> {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
+    /// The first signal: stop accepting, end console event streams, answer new requests
+    /// 503, and let in-flight requests (streams included) finish — for at most the
+    /// config's drain deadline. Whatever is left then is cut and recorded (an upstream
+    /// call cut mid-flight as `unknown`), and the ledger is flushed.
+    pub async fn shutdown(&self) -> Result<()> {
+        let st = &self.state;
+        st.shutdown.draining.cancel();
+        let drain = Duration::from_millis(st.config.server.drain_timeout_ms);
+        let mut done = self.server_done.clone();
+        let drained = tokio::time::timeout(drain, async {
+            let _ = done.wait_for(|d| *d).await;
+            st.shutdown.all_closed().await;
+        })
+        .await
+        .is_ok();
+        if !drained {
+            tracing::warn!(
+                open = st.shutdown.open_requests(),
+                "the drain deadline passed; cutting the requests still open"
+            );
         }
-        let _ = (&mut self.server).await;
-        self.state.ledger.close().await?;
-        Ok(())
+        self.finish().await
+    }
+
+    /// The second signal: cut everything now, record it, flush the ledger.
+    pub async fn abort(&self) -> Result<()> {
+        self.state.shutdown.draining.cancel();
+        self.finish().await
+    }
+
+    async fn finish(&self) -> Result<()> {
+        let mut finished = self.finished.lock().await;
+        if let Some(r) = finished.as_ref() {
+            return r
+                .clone()
+                .map_err(|e| Error::Ledger(spillway_ledger::Error::Unavailable(e)));
+        }
+        let st = &self.state;
+        st.shutdown.cancel.cancel();
+        // Cut requests record themselves as their tasks and connections let go of them.
+        if tokio::time::timeout(Duration::from_secs(3), st.shutdown.all_closed())
+            .await
+            .is_err()
+        {
+            tracing::error!(open = st.shutdown.open_requests(), "requests still open after the cut");
+        }
+        let mut done = self.server_done.clone();
+        let _ = tokio::time::timeout(Duration::from_secs(1), done.wait_for(|d| *d)).await;
+        let r = st.ledger.close(Duration::from_secs(5)).await;
+        *finished = Some(r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+        Ok(r?)
     }
 }
 
 /// How the gateway is started, beyond its config.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct Options {
     pub ledger_path: PathBuf,
+    /// A ledger opened by the caller (tests use one over a store they control); when
+    /// absent, `ledger_path` is opened.
+    pub ledger: Option<Ledger>,
     /// Overrides the config's `listen`.
     pub listen: Option<SocketAddr>,
     /// Without a token the admin API refuses everything.
     pub admin_token: Option<admin::AdminToken>,
-    /// The built console (`ui/dist`), served at `/`.
-    pub ui_dir: Option<PathBuf>,
+    /// The console served at `/`.
+    pub console: Console,
 }
 
-/// Opens the ledger and starts serving `config`.
+/// Opens the ledger and starts serving `config` with the real upstream.
 pub async fn start(config: Config, opts: Options) -> Result<Running> {
-    let ledger = Ledger::open_sqlite(&opts.ledger_path).await?;
+    start_with(config, opts, Arc::new(upstream::HttpCaller)).await
+}
+
+/// [`start`] with `caller` making the upstream calls.
+pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, caller: Arc<C>) -> Result<Running> {
     let addr = opts.listen.unwrap_or(config.listen);
-    let mut state = AppState::new(config, ledger)?;
-    state.admin_token = opts.admin_token;
-    state.ui_dir = opts.ui_dir;
-    let state = Arc::new(state);
+    // Bind first: a port in use must not leave a ledger opened (and locked) for nothing.
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|source| Error::Listen { addr, source })?;
     let addr = listener.local_addr().map_err(|source| Error::Listen { addr, source })?;
-    let app = ingress::router(state.clone());
-    let (stop, stopped) = oneshot::channel::<()>();
-    use axum::serve::ListenerExt;
-    // Without TCP_NODELAY small keep-alive responses wait ~40 ms on the client's delayed ACK.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stopped.await;
-            })
-            .await
+    let ledger = match opts.ledger {
+        Some(l) => l,
+        None => Ledger::open_sqlite(&opts.ledger_path).await?,
+    };
+    let mut state = AppState::new(config, ledger)?;
+    state.admin_token = opts.admin_token;
+    state.console = opts.console;
+    let state = Arc::new(state);
+    watch_ledger(&state);
+    let app = ingress::router_with(state.clone(), caller);
+    let (done_tx, server_done) = watch::channel(false);
+    let st = state.clone();
+    tokio::spawn(async move {
+        server::serve(listener, app, st).await;
+        let _ = done_tx.send(true);
     });
     Ok(Running {
         addr,
         state,
-        stop: Some(stop),
-        server,
+        server_done,
+        finished: tokio::sync::Mutex::new(None),
     })
+}
+
+/// Operators hear at once when the ledger stops taking writes, and when it takes them again.
+fn watch_ledger(st: &Arc<AppState>) {
+    let mut rx = st.ledger.watch_health();
+    let weak = Arc::downgrade(st);
+    tokio::spawn(async move {
+        let mut was_ok = true;
+        while rx.changed().await.is_ok() {
+            let h = rx.borrow_and_update().clone();
+            let Some(st) = weak.upgrade() else { return };
+            if was_ok && !h.ok {
+                st.alert(
+                    Severity::Critical,
+                    "The ledger is refusing writes".into(),
+                    format!(
+                        "{}. New requests are answered 503 until it takes writes again; finished records wait in memory meanwhile.",
+                        h.error.as_deref().unwrap_or("commits fail")
+                    ),
+                    None,
+                );
+            } else if !was_ok && h.ok {
+                st.alert(
+                    Severity::Resolved,
+                    "The ledger takes writes again".into(),
+                    "The records that waited were written; new requests are admitted again.".into(),
+                    None,
+                );
+            }
+            was_ok = h.ok;
+        }
+    });
 }

@@ -103,24 +103,24 @@ mod tests {
         }
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn b2_concurrency_waits_then_refuses() {
         // spec: B2
         let l = KeyLimits::new(&key(None, Some(1)));
         let held = l.acquire(KEY_WAIT).await.unwrap();
-        let started = std::time::Instant::now();
-        assert_eq!(
-            l.acquire(Duration::from_millis(200)).await.err(),
-            Some(OverLimit { retry_after_s: 1 })
-        );
-        assert!(started.elapsed() >= Duration::from_millis(200));
-        // Room that frees within the wait admits the waiter.
+        let started = tokio::time::Instant::now();
+        assert_eq!(l.acquire(KEY_WAIT).await.err(), Some(OverLimit { retry_after_s: 1 }));
+        assert_eq!(started.elapsed(), KEY_WAIT, "waits exactly the 2 s, then refuses");
+        // Room that frees within the wait admits the waiter, the moment it frees.
         let l = Arc::new(l);
         let l2 = l.clone();
-        let waiter = tokio::spawn(async move { l2.acquire(KEY_WAIT).await.is_ok() });
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        let waiter = tokio::spawn(async move {
+            let t = tokio::time::Instant::now();
+            l2.acquire(KEY_WAIT).await.map(|_| t.elapsed())
+        });
+        tokio::time::sleep(Duration::from_millis(700)).await;
         drop(held);
-        assert!(waiter.await.unwrap());
+        assert_eq!(waiter.await.unwrap(), Ok(Duration::from_millis(700)));
     }
 
     #[tokio::test]

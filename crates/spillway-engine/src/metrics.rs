@@ -1,9 +1,12 @@
 //! Live figures for the console: a per-second series over the last 15 minutes (requests,
-//! errors, latency, in-flight) and running totals per route. Updated once per request at
-//! its end, read once per second by the admin stream, so the lock is short and cold.
+//! errors, latency, in-flight), running totals per route, and the requests refused before
+//! they had a key (counted and listed, never written to the ledger one by one). Updated
+//! once per request at its end, read once per second by the admin stream, so the lock is
+//! short and cold. Every collection here is bounded, whatever clients send.
 
 use serde::Serialize;
 use spillway_ledger::{RequestRecord, RequestState};
+use spillway_wire::{ErrorClass, Format, UnixMs};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -11,6 +14,52 @@ use ts_rs::TS;
 
 /// Seconds of history the overview charts show.
 pub const WINDOW_SECONDS: usize = 15 * 60;
+/// Distinct routes tracked one by one; a `*` channel lets clients name any model, so past
+/// this many the rest share one row per provider and owner.
+const MAX_ROUTES: usize = 256;
+/// The model name of that shared row.
+pub const OTHER_MODELS: &str = "(other models)";
+/// Refusals kept for the console's list.
+const RECENT_REJECTIONS: usize = 20;
+
+/// Why a request was refused before it had a valid key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, TS)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectReason {
+    MissingKey,
+    InvalidKey,
+    /// A Host name the listener does not answer (P1: DNS rebinding).
+    ForbiddenHost,
+}
+
+/// A request refused before it had a valid key: counted and listed, not recorded one by
+/// one in the ledger (a flood of them must not fill the disk).
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct Rejection {
+    pub at: UnixMs,
+    pub reason: RejectReason,
+    pub format: Format,
+    /// The client's address.
+    pub peer: Option<String>,
+}
+
+/// A route: provider (wire format), model, owner.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RouteKey {
+    pub format: Format,
+    pub model: String,
+    pub owner: String,
+}
+
+impl RouteKey {
+    pub fn of(rec: &RequestRecord) -> Option<RouteKey> {
+        Some(RouteKey {
+            format: rec.format,
+            model: rec.requested_model.clone()?,
+            owner: rec.owner.clone().unwrap_or_default(),
+        })
+    }
+}
 /// Latency buckets: exponential, 2^(i/4) ms, from 1 ms to ~70 s.
 const BUCKETS: usize = 64;
 
@@ -27,9 +76,11 @@ fn bucket_ms(i: usize) -> f64 {
 
 #[derive(Clone)]
 struct Second {
+    /// Unix seconds.
     t: i64,
     requests: u32,
     errors: u32,
+    rejected: u32,
     latency: [u32; BUCKETS],
     in_flight_max: i64,
 }
@@ -40,6 +91,7 @@ impl Second {
             t,
             requests: 0,
             errors: 0,
+            rejected: 0,
             latency: [0; BUCKETS],
             in_flight_max: 0,
         }
@@ -65,10 +117,12 @@ fn quantile(hist: &[u32; BUCKETS], q: f64) -> Option<f64> {
 /// One second of the overview series.
 #[derive(Clone, Debug, Serialize, TS)]
 pub struct SeriesPoint {
-    /// Unix seconds.
-    pub t: i64,
+    /// The start of the second.
+    pub at: UnixMs,
     pub requests: u32,
     pub errors: u32,
+    /// Refused before they had a valid key.
+    pub rejected: u32,
     /// Milliseconds; absent when the second had no finished request.
     pub p50_ms: Option<f64>,
     pub p95_ms: Option<f64>,
@@ -85,12 +139,14 @@ pub struct Headline {
     pub p50_ms: Option<f64>,
     pub p95_ms: Option<f64>,
     pub in_flight: i64,
+    /// Requests refused before they had a valid key, over the last 60 s.
+    pub rejected_last_minute: u64,
 }
 
 /// Running figures for one route (provider, model, owner).
-#[derive(Clone, Debug, Default, Serialize, TS)]
+#[derive(Clone, Debug, Serialize, TS)]
 pub struct RouteFigures {
-    pub provider: String,
+    pub provider: Format,
     pub model: String,
     pub owner: String,
     pub in_flight: i64,
@@ -101,8 +157,8 @@ pub struct RouteFigures {
     pub failed: u64,
     /// Upstream attempts; attempts ÷ requests is the retry amplification.
     pub attempts: u64,
-    /// Failed attempts by E2 class (`rate_limit`, `overload`, `server_error`, …).
-    pub errors_by_class: BTreeMap<String, u64>,
+    /// Failed attempts by E2 class.
+    pub errors_by_class: BTreeMap<ErrorClass, u64>,
     /// Requests that waited for capacity or a paced channel, and how long (C2).
     pub waited: u64,
     pub wait_ms_total: u64,
@@ -112,24 +168,39 @@ pub struct RouteFigures {
     pub cost_unknown: u64,
 }
 
+impl RouteFigures {
+    fn new(k: &RouteKey) -> RouteFigures {
+        RouteFigures {
+            provider: k.format,
+            model: k.model.clone(),
+            owner: k.owner.clone(),
+            in_flight: 0,
+            queued: 0,
+            requests: 0,
+            succeeded: 0,
+            failed: 0,
+            attempts: 0,
+            errors_by_class: BTreeMap::new(),
+            waited: 0,
+            wait_ms_total: 0,
+            wait_ms_max: 0,
+            cost_usd: 0.0,
+            cost_unknown: 0,
+        }
+    }
+}
+
 #[derive(Default)]
 struct Inner {
     seconds: VecDeque<Second>,
-    routes: BTreeMap<(String, String, String), RouteFigures>,
+    routes: BTreeMap<RouteKey, RouteFigures>,
+    rejections: VecDeque<Rejection>,
 }
 
 #[derive(Default)]
 pub struct Metrics {
     inner: Mutex<Inner>,
     in_flight: AtomicI64,
-}
-
-fn route_key(rec: &RequestRecord) -> Option<(String, String, String)> {
-    Some((
-        rec.format.clone(),
-        rec.requested_model.clone()?,
-        rec.owner.clone().unwrap_or_default(),
-    ))
 }
 
 impl Metrics {
@@ -151,71 +222,94 @@ impl Metrics {
     }
 
     /// A request was admitted to a channel.
-    pub fn started(&self, rec: &RequestRecord) {
-        let now = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
-        let t = rec.received_at.div_euclid(1000);
+    pub fn started(&self, route: &RouteKey, now: UnixMs) {
+        let n = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
         self.with(|inner| {
-            let s = Self::second(inner, t);
-            s.in_flight_max = s.in_flight_max.max(now);
-            if let Some(k) = route_key(rec) {
-                Self::route(inner, k).in_flight += 1;
-            }
+            let s = Self::second(inner, now.0.div_euclid(1000));
+            s.in_flight_max = s.in_flight_max.max(n);
+            Self::route(inner, route).in_flight += 1;
         });
     }
 
     /// A request is waiting for capacity (`+1`) or stopped waiting (`-1`).
-    pub fn queued(&self, rec: &RequestRecord, delta: i64) {
-        if let Some(k) = route_key(rec) {
-            self.with(|inner| Self::route(inner, k).queued += delta);
-        }
+    pub fn queued(&self, route: &RouteKey, delta: i64) {
+        self.with(|inner| Self::route(inner, route).queued += delta);
     }
 
     /// An attempt failed with `class` (retried or not).
-    pub fn attempt_failed(&self, rec: &RequestRecord, class: spillway_wire::ErrorClass) {
-        if let Some(k) = route_key(rec) {
-            self.with(|inner| {
-                let r = Self::route(inner, k);
-                *r.errors_by_class.entry(class.as_str().to_owned()).or_default() += 1;
-            });
-        }
+    pub fn attempt_failed(&self, route: &RouteKey, class: ErrorClass) {
+        self.with(|inner| {
+            *Self::route(inner, route).errors_by_class.entry(class).or_default() += 1;
+        });
     }
 
     /// A request waited `ms` for capacity before an attempt.
-    pub fn waited(&self, rec: &RequestRecord, ms: u64) {
-        if let Some(k) = route_key(rec) {
-            self.with(|inner| {
-                let r = Self::route(inner, k);
-                r.waited += 1;
-                r.wait_ms_total += ms;
-                r.wait_ms_max = r.wait_ms_max.max(ms);
-            });
-        }
+    pub fn waited(&self, route: &RouteKey, ms: u64) {
+        self.with(|inner| {
+            let r = Self::route(inner, route);
+            r.waited += 1;
+            r.wait_ms_total += ms;
+            r.wait_ms_max = r.wait_ms_max.max(ms);
+        });
     }
 
-    fn route(inner: &mut Inner, k: (String, String, String)) -> &mut RouteFigures {
-        inner.routes.entry(k.clone()).or_insert_with(|| RouteFigures {
-            provider: k.0,
-            model: k.1,
-            owner: k.2,
-            ..RouteFigures::default()
-        })
+    /// A request refused before it had a valid key.
+    pub fn rejected(&self, r: Rejection) {
+        self.with(|inner| {
+            Self::second(inner, r.at.0.div_euclid(1000)).rejected += 1;
+            if inner.rejections.len() >= RECENT_REJECTIONS {
+                inner.rejections.pop_back();
+            }
+            inner.rejections.push_front(r);
+        });
+    }
+
+    /// The latest refusals, newest first.
+    pub fn rejections(&self) -> Vec<Rejection> {
+        self.with(|inner| inner.rejections.iter().cloned().collect())
+    }
+
+    /// The figures of `k`, or of its provider's shared row once [`MAX_ROUTES`] are tracked.
+    fn route<'a>(inner: &'a mut Inner, k: &RouteKey) -> &'a mut RouteFigures {
+        let key = if inner.routes.contains_key(k) || inner.routes.len() < MAX_ROUTES {
+            k.clone()
+        } else {
+            RouteKey {
+                model: OTHER_MODELS.to_owned(),
+                ..k.clone()
+            }
+        };
+        inner.routes.entry(key).or_insert_with_key(RouteFigures::new)
     }
 
     /// A request ended. `admitted` says whether [`Metrics::started`] saw it.
-    pub fn finished(&self, rec: &RequestRecord, admitted: bool, now_ms: i64) {
+    pub fn finished(&self, rec: &RequestRecord, admitted: bool, now: UnixMs) {
         if admitted {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
         }
         let ok = rec.state == RequestState::Done;
-        let latency = (now_ms - rec.received_at).max(0) as u64;
+        let latency = now.since(rec.received_at);
         self.with(|inner| {
-            let s = Self::second(inner, now_ms.div_euclid(1000));
+            let s = Self::second(inner, now.0.div_euclid(1000));
             s.requests += 1;
             if !ok {
                 s.errors += 1;
             }
             s.latency[bucket_of(latency)] += 1;
-            if let Some(k) = route_key(rec)
+            // Only routes a request reached a channel of (or queued for) have a row: a
+            // refused request naming a model nobody serves adds none.
+            let key = RouteKey::of(rec);
+            let key = key.map(|k| {
+                if inner.routes.contains_key(&k) {
+                    k
+                } else {
+                    RouteKey {
+                        model: OTHER_MODELS.to_owned(),
+                        ..k
+                    }
+                }
+            });
+            if let Some(k) = key
                 && let Some(r) = inner.routes.get_mut(&k)
             {
                 if admitted {
@@ -253,17 +347,19 @@ impl Metrics {
                 }
                 match it.peek() {
                     Some(s) if s.t == t => out.push(SeriesPoint {
-                        t,
+                        at: UnixMs(t * 1000),
                         requests: s.requests,
                         errors: s.errors,
+                        rejected: s.rejected,
                         p50_ms: quantile(&s.latency, 0.5),
                         p95_ms: quantile(&s.latency, 0.95),
                         in_flight: if t == now { in_flight } else { s.in_flight_max },
                     }),
                     _ => out.push(SeriesPoint {
-                        t,
+                        at: UnixMs(t * 1000),
                         requests: 0,
                         errors: 0,
+                        rejected: 0,
                         p50_ms: None,
                         p95_ms: None,
                         in_flight: if t == now { in_flight } else { 0 },
@@ -278,10 +374,11 @@ impl Metrics {
         let in_flight = self.in_flight();
         self.with(|inner| {
             let mut hist = [0u32; BUCKETS];
-            let (mut req10, mut req60, mut err60) = (0u64, 0u64, 0u64);
+            let (mut req10, mut req60, mut err60, mut rej60) = (0u64, 0u64, 0u64, 0u64);
             for s in inner.seconds.iter().filter(|s| s.t > now - 60) {
                 req60 += u64::from(s.requests);
                 err60 += u64::from(s.errors);
+                rej60 += u64::from(s.rejected);
                 if s.t > now - 10 {
                     req10 += u64::from(s.requests);
                     for (h, c) in hist.iter_mut().zip(s.latency.iter()) {
@@ -296,6 +393,7 @@ impl Metrics {
                 p50_ms: quantile(&hist, 0.5),
                 p95_ms: quantile(&hist, 0.95),
                 in_flight,
+                rejected_last_minute: rej60,
             }
         })
     }
@@ -310,7 +408,13 @@ mod tests {
     use super::*;
 
     fn rec(model: &str, state: RequestState, received_ms: i64) -> RequestRecord {
-        let mut r = RequestRecord::received("id".into(), "t".into(), "openai", "/v1/chat/completions", received_ms);
+        let mut r = RequestRecord::received(
+            "id".into(),
+            "t".into(),
+            Format::OpenAi,
+            "/v1/chat/completions",
+            UnixMs(received_ms),
+        );
         r.requested_model = Some(model.into());
         r.owner = Some("team-a".into());
         r.state = state;
@@ -332,8 +436,8 @@ mod tests {
                 },
                 base * 1000 + i * 10,
             );
-            m.started(&r);
-            m.finished(&r, true, base * 1000 + i * 10 + 100);
+            m.started(&RouteKey::of(&r).unwrap(), r.received_at);
+            m.finished(&r, true, UnixMs(base * 1000 + i * 10 + 100));
         }
         let s = m.series(base - 2, base + 1);
         assert_eq!(s.len(), 4);
@@ -349,6 +453,33 @@ mod tests {
             (r.requests, r.succeeded, r.failed, r.in_flight, r.cost_unknown),
             (10, 9, 1, 0, 10)
         );
+    }
+
+    #[test]
+    fn client_named_models_cannot_grow_the_route_table() {
+        let m = Metrics::default();
+        for i in 0..10_000 {
+            let r = rec(&format!("model-{i}"), RequestState::Done, 1_000);
+            let k = RouteKey::of(&r).unwrap();
+            m.started(&k, r.received_at);
+            m.finished(&r, true, UnixMs(2_000));
+        }
+        let routes = m.routes();
+        assert_eq!(routes.len(), MAX_ROUTES + 1);
+        let other = routes.iter().find(|r| r.model == OTHER_MODELS).unwrap();
+        assert_eq!((other.requests, other.in_flight), (10_000 - MAX_ROUTES as u64, 0));
+        assert_eq!(m.in_flight(), 0);
+        for i in 0..100 {
+            m.rejected(Rejection {
+                at: UnixMs(1_000 + i),
+                reason: RejectReason::InvalidKey,
+                format: Format::OpenAi,
+                peer: None,
+            });
+        }
+        let r = m.rejections();
+        assert_eq!((r.len(), r[0].at), (RECENT_REJECTIONS, UnixMs(1_099)));
+        assert_eq!(m.headline(1).rejected_last_minute, 100);
     }
 
     #[test]

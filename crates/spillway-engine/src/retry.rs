@@ -43,32 +43,9 @@ pub fn retryability(class: ErrorClass) -> Retryability {
     }
 }
 
-/// Why a request stops being retried (F2's fail-closed reasons, plus the class rules).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Stop {
-    /// Output already reached the client (H2): nothing is replayed.
-    PartialOutputCommitted,
-    /// `max_attempts` used up and no fallback contract applies.
-    AttemptBudgetExhausted,
-    /// The next attempt could not start before the request's deadline.
-    RetryAfterExceedsDeadline,
-    /// The outcome's class is never retried (D3, E2).
-    NotRetryable,
-    /// Every channel of the group is out of rotation (ejected or paced past the deadline).
-    NoChannelLeft,
-}
-
-impl Stop {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Stop::PartialOutputCommitted => "partial_output_committed",
-            Stop::AttemptBudgetExhausted => "attempt_budget_exhausted",
-            Stop::RetryAfterExceedsDeadline => "retry_after_exceeds_deadline",
-            Stop::NotRetryable => "not_retryable",
-            Stop::NoChannelLeft => "no_channel_left",
-        }
-    }
-}
+/// Why a request stops being retried: the ledger's vocabulary (F2's fail-closed reasons
+/// and the class rules), so what is decided here is what the console shows.
+pub use spillway_ledger::StopReason as Stop;
 
 /// The F2 outcome.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

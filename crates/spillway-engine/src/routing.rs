@@ -35,11 +35,24 @@ pub fn candidates(state: &AppState, format: Format, model: &str) -> Vec<Arc<Chan
 pub struct WaitGuard(pub Option<Box<dyn FnOnce() + Send>>);
 
 impl WaitGuard {
-    /// Counts `rec` as queued on its route until the guard drops.
-    pub fn queued(st: &Arc<AppState>, rec: &spillway_ledger::RequestRecord) -> WaitGuard {
-        st.metrics.queued(rec, 1);
-        let (st, rec) = (st.clone(), rec.clone());
-        WaitGuard(Some(Box::new(move || st.metrics.queued(&rec, -1))))
+    /// Takes a place in the gateway's capacity queue (C2) and counts the request as queued
+    /// on its route until the guard drops; refuses at once when the queue is at its
+    /// maximum length.
+    pub fn queued(st: &Arc<AppState>, route: crate::metrics::RouteKey) -> Result<WaitGuard, GatewayError> {
+        use std::sync::atomic::Ordering;
+        let max = st.config.capacity_queue_max;
+        let taken = st
+            .capacity_queue
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1));
+        if taken.is_err() {
+            return Err(GatewayError::CapacityQueueFull { retry_after_s: 1 });
+        }
+        st.metrics.queued(&route, 1);
+        let st = st.clone();
+        Ok(WaitGuard(Some(Box::new(move || {
+            st.capacity_queue.fetch_sub(1, Ordering::AcqRel);
+            st.metrics.queued(&route, -1);
+        }))))
     }
 }
 
@@ -98,9 +111,8 @@ pub fn survey(candidates: &[Arc<ChannelRt>], tokens: u64, tried: &[String], now:
 }
 
 /// Why no slot was taken.
-fn none_left(model: &str, s: &Survey) -> GatewayError {
+fn none_left(s: &Survey) -> GatewayError {
     GatewayError::NoChannelInRotation {
-        model: model.to_owned(),
         detail: s
             .ejected
             .iter()
@@ -112,15 +124,15 @@ fn none_left(model: &str, s: &Survey) -> GatewayError {
 
 /// Takes a free slot on the first ready channel that has one (untried channels first).
 /// When every ready channel is full, or every channel is paced, waits — at most
-/// `max_wait` in all — for whichever frees first (C1, C2, D6). Dropping the future leaves
-/// the queue (C4).
+/// `max_wait` in all — for whichever frees first (C1, C2, D6); `on_wait` takes the
+/// request's place in the queue, or refuses it when the queue is full. Dropping the
+/// future leaves the queue (C4).
 pub async fn admit(
     candidates: &[Arc<ChannelRt>],
-    model: &str,
     tokens: u64,
     tried: &[String],
     max_wait: Duration,
-    on_wait: impl FnOnce() -> WaitGuard,
+    on_wait: impl FnOnce() -> Result<WaitGuard, GatewayError>,
 ) -> Result<Admitted, GatewayError> {
     let started = Instant::now();
     let deadline = started + max_wait;
@@ -142,7 +154,7 @@ pub async fn admit(
             }
         }
         if s.ready.is_empty() && s.soonest.is_none() {
-            return Err(none_left(model, &s));
+            return Err(none_left(&s));
         }
         let left = deadline.saturating_duration_since(now);
         // Nothing frees within the wait: say when something will, if anyone knows.
@@ -157,8 +169,10 @@ pub async fn admit(
                 retry_after_s: crate::error::retry_after_secs(retry_after),
             });
         }
-        if waiting.is_none() {
-            waiting = on_wait.take().map(|f| f());
+        if waiting.is_none()
+            && let Some(f) = on_wait.take()
+        {
+            waiting = Some(f()?);
         }
         let wake = now + s.soonest.map_or(left, |d| d.min(left));
         let waits = s.ready.iter().map(|c| {
@@ -192,34 +206,30 @@ mod tests {
     use crate::state::ChannelRt;
     use spillway_policy::Channel;
     use spillway_wire::{ErrorClass, Signal};
-    use tokio::sync::Semaphore;
 
     fn channel(name: &str, cap: u32) -> Arc<ChannelRt> {
-        Arc::new(ChannelRt {
-            cfg: Channel {
-                name: name.into(),
-                format: Format::OpenAi,
-                base_url: "http://127.0.0.1:9".into(),
-                api_key: None,
-                models: vec!["*".into()],
-                max_concurrency: cap,
-                weight: 1,
-                priority: 0,
-                timeout_ms: None,
-            },
-            permits: Arc::new(Semaphore::new(cap as usize)),
-            health: Default::default(),
-        })
+        Arc::new(ChannelRt::new(Channel {
+            name: name.into(),
+            format: Format::OpenAi,
+            base_url: "http://127.0.0.1:9".into(),
+            api_key: None,
+            models: vec!["*".into()],
+            max_concurrency: cap,
+            weight: 1,
+            priority: 0,
+            timeout_ms: None,
+            simulated: None,
+        }))
     }
 
-    fn no_wait() -> WaitGuard {
-        WaitGuard(None)
+    fn no_wait() -> Result<WaitGuard, GatewayError> {
+        Ok(WaitGuard(None))
     }
 
     /// `admit` with C2's 10 s allowance, and how long it took on the paused clock.
     async fn timed(group: &[Arc<ChannelRt>], tried: &[String]) -> (Result<Admitted, GatewayError>, Duration) {
         let t = Instant::now();
-        let r = admit(group, "m", 1, tried, Duration::from_secs(10), no_wait).await;
+        let r = admit(group, 1, tried, Duration::from_secs(10), no_wait).await;
         (r, t.elapsed())
     }
 
@@ -310,6 +320,25 @@ mod tests {
             2,
             "tried channels may be retried when nothing else is left"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn c2_a_full_queue_refuses_at_once() {
+        // spec: C2
+        let a = channel("a", 1);
+        let group = [a.clone()];
+        let _held = admitted(timed(&group, &[]).await.0);
+        let t = Instant::now();
+        let r = admit(&group, 1, &[], Duration::from_secs(10), || {
+            Err(GatewayError::CapacityQueueFull { retry_after_s: 1 })
+        })
+        .await;
+        assert!(
+            matches!(r, Err(GatewayError::CapacityQueueFull { .. })),
+            "{r:?}",
+            r = r.as_ref().err()
+        );
+        assert_eq!(t.elapsed(), Duration::ZERO, "no wait when there is no room to wait");
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,21 +1,37 @@
-//! What every request handler shares: config, channel runtimes, key index, ledger, client.
+//! What every request handler shares: config, channel runtimes, key index, ledger, client,
+//! live figures, operator alerts and the shutdown signals.
 
 use crate::{Error, Result};
+use serde::Serialize;
 use spillway_ledger::Ledger;
 use spillway_policy::{Channel, Config, Key};
+use spillway_wire::UnixMs;
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
+use tokio_util::sync::CancellationToken;
+use ts_rs::TS;
+
+/// How urgent an operator alert is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, TS)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    /// A person must act now (a channel's credential refused, the ledger failing).
+    Critical,
+    /// Worth knowing; it may resolve itself.
+    Warning,
+    /// Something that was wrong is right again.
+    Resolved,
+}
 
 /// Something an operator must hear about now (E2, G4): the desktop shell turns these into
 /// native notifications, the admin stream forwards them to the console.
-#[derive(Clone, Debug, serde::Serialize, ts_rs::TS)]
+#[derive(Clone, Debug, Serialize, TS)]
 pub struct OperatorAlert {
-    /// Unix milliseconds.
-    pub at_ms: i64,
-    /// `critical` needs a person now; `warning` may resolve itself.
-    pub severity: String,
+    pub at: UnixMs,
+    pub severity: Severity,
     pub title: String,
     pub body: String,
     /// The channel or route it is about, when there is one.
@@ -32,6 +48,14 @@ pub struct ChannelRt {
 }
 
 impl ChannelRt {
+    pub fn new(cfg: Channel) -> ChannelRt {
+        ChannelRt {
+            permits: Arc::new(Semaphore::new(cfg.max_concurrency as usize)),
+            cfg,
+            health: Default::default(),
+        }
+    }
+
     pub fn in_flight(&self) -> u32 {
         self.cfg
             .max_concurrency
@@ -45,6 +69,49 @@ pub struct KeyRt {
     pub limits: crate::limits::KeyLimits,
 }
 
+/// The two steps of a shutdown (see [`crate::Running::shutdown`]).
+#[derive(Default)]
+pub struct Shutdown {
+    /// First step: stop accepting, end console event streams, answer new requests 503, let
+    /// in-flight work finish.
+    pub draining: CancellationToken,
+    /// Second step (the drain deadline passed, or a second signal): cut what is left and
+    /// record it.
+    pub cancel: CancellationToken,
+    /// Requests open right now (from ingress until their record is closed).
+    open: AtomicUsize,
+    closed: Notify,
+}
+
+impl Shutdown {
+    pub fn opened(&self) {
+        self.open.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn closed(&self) {
+        if self.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.closed.notify_waiters();
+        }
+    }
+
+    pub fn open_requests(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Waits until no request is open.
+    pub async fn all_closed(&self) {
+        loop {
+            let n = self.closed.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.open_requests() == 0 {
+                return;
+            }
+            n.await;
+        }
+    }
+}
+
 pub struct AppState {
     pub config: Config,
     pub channels: Vec<Arc<ChannelRt>>,
@@ -54,46 +121,52 @@ pub struct AppState {
     pub client: reqwest::Client,
     pub metrics: crate::metrics::Metrics,
     pub admin_token: Option<crate::admin::AdminToken>,
-    pub ui_dir: Option<std::path::PathBuf>,
+    pub console: crate::console::Console,
     /// Operator alerts, fanned out to every subscriber (desktop notifications, consoles).
     pub alerts: tokio::sync::broadcast::Sender<OperatorAlert>,
+    pub shutdown: Shutdown,
+    /// Requests waiting for channel capacity right now, gateway-wide (C2's queue).
+    pub capacity_queue: AtomicU32,
 }
 
 impl AppState {
     /// Raises an alert; with nobody listening it is only logged.
-    pub fn alert(&self, severity: &str, title: String, body: String, subject: Option<String>) {
-        tracing::warn!(severity, subject = subject.as_deref().unwrap_or(""), "{title}: {body}");
-        let at_ms = crate::ingress::now_ms();
+    pub fn alert(&self, severity: Severity, title: String, body: String, subject: Option<String>) {
+        tracing::warn!(?severity, subject = subject.as_deref().unwrap_or(""), "{title}: {body}");
         let _ = self.alerts.send(OperatorAlert {
-            at_ms,
-            severity: severity.to_owned(),
+            at: crate::clock::now(),
+            severity,
             title,
             body,
             subject,
         });
     }
 
-    pub fn new(config: Config, ledger: Ledger) -> Result<AppState> {
-        let client = reqwest::Client::builder()
+    /// The upstream HTTP client: no redirects (a redirect would carry the channel's key
+    /// and the prompt to whatever host it names), no desktop proxy, bounded connects, TCP
+    /// keepalive so a dead peer is noticed.
+    pub fn upstream_client(config: &Config) -> Result<reqwest::Client> {
+        let up = &config.upstream;
+        reqwest::Client::builder()
             .tcp_nodelay(true)
-            .connect_timeout(Duration::from_secs(5))
+            .connect_timeout(Duration::from_millis(up.connect_timeout_ms))
+            .tcp_keepalive(Duration::from_millis(up.tcp_keepalive_ms))
             .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(512)
+            .redirect(reqwest::redirect::Policy::none())
             // A gateway on a workstation must not send prompts through whatever proxy the
             // desktop session happens to configure.
             .no_proxy()
             .build()
-            .map_err(|e| Error::Client(e.to_string()))?;
+            .map_err(|e| Error::Client(e.to_string()))
+    }
+
+    pub fn new(config: Config, ledger: Ledger) -> Result<AppState> {
+        let client = Self::upstream_client(&config)?;
         let channels = config
             .channels
             .iter()
-            .map(|c| {
-                Arc::new(ChannelRt {
-                    cfg: c.clone(),
-                    permits: Arc::new(Semaphore::new(c.max_concurrency as usize)),
-                    health: Default::default(),
-                })
-            })
+            .map(|c| Arc::new(ChannelRt::new(c.clone())))
             .collect();
         let keys = config
             .keys
@@ -114,8 +187,10 @@ impl AppState {
             client,
             metrics: Default::default(),
             admin_token: None,
-            ui_dir: None,
+            console: crate::console::Console::None,
             alerts: tokio::sync::broadcast::channel(64).0,
+            shutdown: Shutdown::default(),
+            capacity_queue: AtomicU32::new(0),
         })
     }
 }

@@ -331,7 +331,13 @@ pub struct RequestRecord {
 
 impl RequestRecord {
     /// A request just received: everything not known yet is empty.
-    pub fn received(id: String, trace_id: String, format: Format, endpoint: &str, received_at: UnixMs) -> RequestRecord {
+    pub fn received(
+        id: String,
+        trace_id: String,
+        format: Format,
+        endpoint: &str,
+        received_at: UnixMs,
+    ) -> RequestRecord {
         RequestRecord {
             id,
             trace_id,
@@ -370,7 +376,13 @@ impl RequestRecord {
 
     /// Closes the request as failed at `at`: every failure path ends here. `http_status`
     /// is what the client was answered, if anyone was.
-    pub fn fail(&mut self, http_status: Option<u16>, class: impl Into<FailureClass>, message: impl Into<String>, at: UnixMs) {
+    pub fn fail(
+        &mut self,
+        http_status: Option<u16>,
+        class: impl Into<FailureClass>,
+        message: impl Into<String>,
+        at: UnixMs,
+    ) {
         self.end(RequestState::Failed, http_status, class, message, at);
     }
 

@@ -7,8 +7,8 @@ use crate::{
     AttemptRecord, Decision, Error, FailureClass, LedgerBackend, LedgerLock, Page, RequestRecord, RequestState, Result,
     Search, StopReason,
 };
-use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
 use async_trait::async_trait;
+use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, Connection, QueryBuilder, Row, Sqlite, SqliteConnection, SqlitePool};
 use std::path::Path;

@@ -355,14 +355,22 @@ impl Ledger {
                     tokio::time::sleep(RETRY_EVERY).await;
                 }
                 Ok(Err(e)) => break Err(e),
-                Err(_) => break Err(Error::Unavailable("the ledger did not accept the final flush in time".into())),
+                Err(_) => {
+                    break Err(Error::Unavailable(
+                        "the ledger did not accept the final flush in time".into(),
+                    ));
+                }
             }
         };
         if let Err(e) = &r {
             tracing::error!(error = %e, waiting = self.health().waiting, "ledger closed with records unwritten");
         }
         self.queue.close();
-        let tasks = self.tasks.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+        let tasks = self
+            .tasks
+            .lock()
+            .map(|mut t| std::mem::take(&mut *t))
+            .unwrap_or_default();
         let mut tasks = tasks.into_iter();
         let writer = tasks.next();
         for t in tasks {
@@ -577,7 +585,10 @@ mod tests {
             Err(e) => e.to_string(),
             Ok(_) => panic!("a second writer opened the ledger"),
         };
-        assert!(e.contains("in use by another Spillway") && e.contains(&format!("pid {}", std::process::id())), "{e}");
+        assert!(
+            e.contains("in use by another Spillway") && e.contains(&format!("pid {}", std::process::id())),
+            "{e}"
+        );
         // The running instance's in-flight row was not marked unknown by the refused one.
         assert_eq!(
             first.get_request("r1").await.unwrap().unwrap().state,
@@ -680,10 +691,13 @@ mod tests {
         assert!(h.failing_since.is_some() && h.error.as_deref() == Some("database or disk is full"));
         // Later durable writes are refused at once, without waiting for a commit.
         assert!(
-            tokio::time::timeout(Duration::from_millis(100), ledger.put_request_durable(rec("r2", RequestState::CallingApi)))
-                .await
-                .expect("refused at once")
-                .is_err()
+            tokio::time::timeout(
+                Duration::from_millis(100),
+                ledger.put_request_durable(rec("r2", RequestState::CallingApi))
+            )
+            .await
+            .expect("refused at once")
+            .is_err()
         );
         // Finished records wait in the spool...
         ledger.enqueue_request(rec("r1", RequestState::Failed));
@@ -697,8 +711,14 @@ mod tests {
         store.refuse.store(false, Ordering::SeqCst);
         health.wait_for(|h| h.ok).await.unwrap();
         ledger.flush().await.unwrap();
-        assert_eq!(ledger.get_request("r3").await.unwrap().unwrap().state, RequestState::Done);
-        assert_eq!(ledger.get_request("r1").await.unwrap().unwrap().state, RequestState::Failed);
+        assert_eq!(
+            ledger.get_request("r3").await.unwrap().unwrap().state,
+            RequestState::Done
+        );
+        assert_eq!(
+            ledger.get_request("r1").await.unwrap().unwrap().state,
+            RequestState::Failed
+        );
         assert_eq!(ledger.attempts("r3").await.unwrap().len(), 1);
         assert_eq!(ledger.health(), LedgerHealth::healthy());
     }
@@ -722,7 +742,14 @@ mod tests {
                 again.attempts = 2;
                 l.put_request(again).await.unwrap();
                 // The end as a stream records it: synchronously, from `drop`.
-                l.enqueue_request(rec(&id, if n % 3 == 0 { RequestState::Failed } else { RequestState::Done }));
+                l.enqueue_request(rec(
+                    &id,
+                    if n % 3 == 0 {
+                        RequestState::Failed
+                    } else {
+                        RequestState::Done
+                    },
+                ));
             }));
         }
         for h in handles {
@@ -731,7 +758,11 @@ mod tests {
         ledger.flush().await.unwrap();
         for n in 0..3000 {
             let got = ledger.get_request(&format!("r{n}")).await.unwrap().unwrap();
-            let want = if n % 3 == 0 { RequestState::Failed } else { RequestState::Done };
+            let want = if n % 3 == 0 {
+                RequestState::Failed
+            } else {
+                RequestState::Done
+            };
             assert_eq!(got.state, want, "r{n}");
         }
         assert!(

@@ -1,6 +1,7 @@
 //! The gateway config file: raw shape (as written, with locations) and validated shape.
 
 use crate::error::{ConfigError, ConfigErrors, Result};
+use crate::sim::Scenario;
 use serde::Deserialize;
 use serde_saphyr::Spanned;
 use sha2::{Digest, Sha256};
@@ -21,6 +22,8 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
 pub const DEFAULT_TOTAL_DEADLINE_MS: u64 = 20_000;
 /// C2: at most 10 s waiting for channel capacity; a config may set less, never more.
 pub const MAX_CAPACITY_WAIT_MS: u64 = 10_000;
+/// C2: requests waiting for capacity at once, gateway-wide; past it the C2 429 comes at once.
+pub const DEFAULT_CAPACITY_QUEUE_MAX: u32 = 1024;
 
 type S<T> = Spanned<T>;
 
@@ -45,6 +48,17 @@ impl Bounded for u32 {
 struct RawConfig {
     #[serde(default)]
     listen: Option<S<String>>,
+    /// Host names (besides loopback ones) the listener answers.
+    #[serde(default)]
+    allowed_hosts: Option<S<Vec<String>>>,
+    #[serde(default)]
+    server: Option<S<RawServer>>,
+    #[serde(default)]
+    upstream: Option<S<RawUpstream>>,
+    #[serde(default)]
+    capacity_queue_max: Option<S<u32>>,
+    #[serde(default)]
+    simulator: Option<S<Scenario>>,
     #[serde(default)]
     ledger: Option<S<String>>,
     #[serde(default)]
@@ -66,6 +80,44 @@ struct RawConfig {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawServer {
+    #[serde(default)]
+    header_read_timeout_ms: Option<S<u64>>,
+    #[serde(default)]
+    body_read_timeout_ms: Option<S<u64>>,
+    #[serde(default)]
+    keep_alive_idle_ms: Option<S<u64>>,
+    #[serde(default)]
+    write_timeout_ms: Option<S<u64>>,
+    #[serde(default)]
+    max_connections: Option<S<u32>>,
+    #[serde(default)]
+    max_http2_streams: Option<S<u32>>,
+    #[serde(default)]
+    drain_timeout_ms: Option<S<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawUpstream {
+    #[serde(default)]
+    connect_timeout_ms: Option<S<u64>>,
+    #[serde(default)]
+    first_byte_timeout_ms: Option<S<u64>>,
+    #[serde(default)]
+    stream_idle_timeout_ms: Option<S<u64>>,
+    #[serde(default)]
+    tcp_keepalive_ms: Option<S<u64>>,
+    #[serde(default)]
+    max_response_bytes: Option<S<u64>>,
+    #[serde(default)]
+    max_buffered_before_first_token_bytes: Option<S<u64>>,
+    #[serde(default)]
+    max_wait_hint_ms: Option<S<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawChannel {
     name: S<String>,
     format: S<String>,
@@ -81,6 +133,18 @@ struct RawChannel {
     priority: Option<S<i32>>,
     #[serde(default)]
     timeout_ms: Option<S<u64>>,
+    /// `http://` to a host that is not loopback sends prompts and keys in clear text:
+    /// refused unless this says so.
+    #[serde(default)]
+    allow_plain_http: Option<S<bool>>,
+    /// The channel exists only while this environment variable is set (a real provider
+    /// whose key may or may not be there).
+    #[serde(default)]
+    only_if_env: Option<S<String>>,
+    /// The channel exists only while this environment variable is unset (a simulated
+    /// stand-in for a provider without a key).
+    #[serde(default)]
+    unless_env: Option<S<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -92,6 +156,9 @@ struct RawKey {
     secret_env: Option<S<String>>,
     #[serde(default)]
     secret_sha256: Option<S<String>>,
+    /// With `secret_env` unset, make a fresh secret at start-up (shown once): the demo key.
+    #[serde(default)]
+    generate_if_unset: Option<S<bool>>,
     #[serde(default)]
     rpm: Option<S<u32>>,
     #[serde(default)]
@@ -114,6 +181,17 @@ pub struct Config {
     pub listen: SocketAddr,
     /// Set when `listen` is not a loopback address (P1): the caller warns.
     pub listen_warning: Option<String>,
+    /// Host names the listener answers besides loopback ones (lower case, no port).
+    pub allowed_hosts: Vec<String>,
+    pub server: ServerLimits,
+    pub upstream: UpstreamLimits,
+    /// Requests waiting for channel capacity at once, gateway-wide (C2).
+    pub capacity_queue_max: u32,
+    /// Simulated providers to start (the embedded default); channels reach them through
+    /// `sim://<name>` until the launcher puts the simulator's address in.
+    pub simulator: Option<Scenario>,
+    /// Key secrets made at start-up (`generate_if_unset`), to show once.
+    pub generated: Vec<GeneratedSecret>,
     pub ledger: Option<LedgerLocation>,
     pub max_body_bytes: u64,
     pub attempt_timeout_ms: u64,
@@ -133,6 +211,91 @@ pub enum LedgerLocation {
     Sqlite(PathBuf),
 }
 
+/// What the listener allows its clients (each limit bounds what a slow or hostile client
+/// can hold).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerLimits {
+    /// From a request's first byte to the end of its headers (slowloris).
+    pub header_read_timeout_ms: u64,
+    /// To receive the whole body, once the headers are in.
+    pub body_read_timeout_ms: u64,
+    /// A keep-alive connection with no request in flight is closed after this.
+    pub keep_alive_idle_ms: u64,
+    /// A client that stops reading its answer for this long is cut off, freeing its
+    /// channel and key slots.
+    pub write_timeout_ms: u64,
+    /// Open client connections; past it a connection is answered 503 and closed.
+    pub max_connections: u32,
+    /// Concurrent requests on one HTTP/2 connection.
+    pub max_http2_streams: u32,
+    /// On shutdown, how long in-flight requests get to finish before they are cut off.
+    pub drain_timeout_ms: u64,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 30_000,
+            keep_alive_idle_ms: 60_000,
+            write_timeout_ms: 30_000,
+            max_connections: 1024,
+            max_http2_streams: 128,
+            drain_timeout_ms: 15_000,
+        }
+    }
+}
+
+/// What the gateway allows its upstreams.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UpstreamLimits {
+    pub connect_timeout_ms: u64,
+    /// From sending the request to the response headers (never more than the attempt's
+    /// own timeout).
+    pub first_byte_timeout_ms: u64,
+    /// A stream that already showed output and then sends nothing for this long is ended.
+    pub stream_idle_timeout_ms: u64,
+    /// TCP keepalive probes on upstream connections, so a dead peer is noticed.
+    pub tcp_keepalive_ms: u64,
+    /// Largest non-streaming answer (or error body) read from a provider.
+    pub max_response_bytes: u64,
+    /// Largest stream prefix held back before its first visible token (H2).
+    pub max_buffered_before_first_token_bytes: u64,
+    /// Longest wait hint believed (`Retry-After`, reset headers, RetryInfo): a provider
+    /// asking for more is taken to mean this.
+    pub max_wait_hint_ms: u64,
+}
+
+impl Default for UpstreamLimits {
+    fn default() -> Self {
+        UpstreamLimits {
+            connect_timeout_ms: 5_000,
+            first_byte_timeout_ms: DEFAULT_ATTEMPT_TIMEOUT_MS,
+            stream_idle_timeout_ms: 30_000,
+            tcp_keepalive_ms: 30_000,
+            max_response_bytes: 32 * 1024 * 1024,
+            max_buffered_before_first_token_bytes: 1024 * 1024,
+            max_wait_hint_ms: 600_000,
+        }
+    }
+}
+
+/// A key secret made at start-up. Shown once; the config keeps only its hash.
+#[derive(Clone)]
+pub struct GeneratedSecret {
+    pub key: String,
+    pub secret: String,
+}
+
+impl std::fmt::Debug for GeneratedSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GeneratedSecret")
+            .field("key", &self.key)
+            .field("secret", &"<redacted>")
+            .finish()
+    }
+}
+
 /// An upstream channel: one provider endpoint with one credential.
 #[derive(Clone)]
 pub struct Channel {
@@ -150,6 +313,9 @@ pub struct Channel {
     /// backup channels); `weight` spreads traffic within a tier (D4). Default 0.
     pub priority: i32,
     pub timeout_ms: Option<u64>,
+    /// The simulated channel this one stands for (`base_url: sim://<name>`), until the
+    /// launcher starts the simulator and puts its address into `base_url`.
+    pub simulated: Option<String>,
 }
 
 impl std::fmt::Debug for Channel {
@@ -163,6 +329,7 @@ impl std::fmt::Debug for Channel {
             .field("max_concurrency", &self.max_concurrency)
             .field("weight", &self.weight)
             .field("priority", &self.priority)
+            .field("simulated", &self.simulated)
             .finish()
     }
 }
@@ -243,8 +410,14 @@ impl Ctx<'_> {
 
 impl Config {
     /// Parses and validates `text`, read from `file` (used in messages and to resolve a
-    /// relative ledger path). `env` looks environment variables up.
-    pub fn parse(file: &Path, text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+    /// relative ledger path). `env` looks environment variables up; `new_secret` makes a
+    /// key secret for a key that asks for one (`generate_if_unset`).
+    pub fn parse(
+        file: &Path,
+        text: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+        new_secret: &dyn Fn() -> String,
+    ) -> Result<Config> {
         let name = file.display().to_string();
         let raw: RawConfig = serde_saphyr::from_str(text).map_err(|e| {
             let (line, column) = e
@@ -264,8 +437,47 @@ impl Config {
             }])
         })?;
         let base_dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
-        raw.validate(&name, &base_dir, env)
+        raw.validate(&name, &base_dir, env, new_secret)
     }
+
+    /// Points the simulated channels at a running simulator: `url(name)` is the base URL
+    /// of simulated channel `name`.
+    pub fn resolve_simulator(&mut self, url: &dyn Fn(&str) -> String) {
+        for c in &mut self.channels {
+            if let Some(name) = &c.simulated {
+                c.base_url = url(name);
+            }
+        }
+    }
+
+    /// Whether `host` (a Host header or URL authority, port included or not) is one the
+    /// listener answers: a loopback name or address, or one listed in `allowed_hosts`.
+    pub fn host_allowed(&self, host: &str) -> bool {
+        let name = strip_port(host.trim()).trim_end_matches('.').to_ascii_lowercase();
+        is_loopback_host(&name) || self.allowed_hosts.contains(&name)
+    }
+}
+
+/// `host[:port]` or `[v6]:port` without the port.
+fn strip_port(host: &str) -> &str {
+    if let Some(rest) = host.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or_default();
+    }
+    match host.rsplit_once(':') {
+        Some((h, port)) if !h.contains(':') && port.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => host,
+    }
+}
+
+/// `localhost`, `*.localhost` (RFC 6761 keeps them on this machine) or a loopback address.
+pub fn is_loopback_host(name: &str) -> bool {
+    name == "localhost"
+        || name.ends_with(".localhost")
+        || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+fn valid_host_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b))
 }
 
 /// The YAML key written on `line`, so a type error ("invalid u32") names its field even
@@ -298,7 +510,13 @@ fn valid_name(s: &str) -> bool {
 }
 
 impl RawConfig {
-    fn validate(self, file: &str, base_dir: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Config> {
+    fn validate(
+        self,
+        file: &str,
+        base_dir: &Path,
+        env: &dyn Fn(&str) -> Option<String>,
+        new_secret: &dyn Fn() -> String,
+    ) -> Result<Config> {
         let mut cx = Ctx {
             file,
             errors: Vec::new(),
@@ -368,6 +586,130 @@ impl RawConfig {
             None => MAX_CAPACITY_WAIT_MS,
         };
 
+        let mut allowed_hosts = Vec::new();
+        if let Some(hosts) = &self.allowed_hosts {
+            for h in &hosts.value {
+                let name = strip_port(h.trim()).trim_end_matches('.').to_ascii_lowercase();
+                if !valid_host_name(&name) {
+                    cx.err(hosts, "allowed_hosts", format!("`{h}` is not a host name"));
+                } else {
+                    allowed_hosts.push(name);
+                }
+            }
+        }
+        let d = ServerLimits::default();
+        let server = match &self.server {
+            None => d,
+            Some(sv) => {
+                let r = &sv.value;
+                ServerLimits {
+                    header_read_timeout_ms: cx.bounded(
+                        &r.header_read_timeout_ms,
+                        "server.header_read_timeout_ms",
+                        100..=600_000,
+                        d.header_read_timeout_ms,
+                    ),
+                    body_read_timeout_ms: cx.bounded(
+                        &r.body_read_timeout_ms,
+                        "server.body_read_timeout_ms",
+                        100..=3_600_000,
+                        d.body_read_timeout_ms,
+                    ),
+                    keep_alive_idle_ms: cx.bounded(
+                        &r.keep_alive_idle_ms,
+                        "server.keep_alive_idle_ms",
+                        100..=3_600_000,
+                        d.keep_alive_idle_ms,
+                    ),
+                    write_timeout_ms: cx.bounded(
+                        &r.write_timeout_ms,
+                        "server.write_timeout_ms",
+                        100..=3_600_000,
+                        d.write_timeout_ms,
+                    ),
+                    max_connections: cx.bounded(
+                        &r.max_connections,
+                        "server.max_connections",
+                        1..=1_000_000,
+                        d.max_connections,
+                    ),
+                    max_http2_streams: cx.bounded(
+                        &r.max_http2_streams,
+                        "server.max_http2_streams",
+                        1..=10_000,
+                        d.max_http2_streams,
+                    ),
+                    drain_timeout_ms: cx.bounded(
+                        &r.drain_timeout_ms,
+                        "server.drain_timeout_ms",
+                        0..=600_000,
+                        d.drain_timeout_ms,
+                    ),
+                }
+            }
+        };
+        let d = UpstreamLimits::default();
+        let upstream = match &self.upstream {
+            None => UpstreamLimits {
+                first_byte_timeout_ms: attempt_timeout_ms,
+                ..d
+            },
+            Some(up) => {
+                let r = &up.value;
+                UpstreamLimits {
+                    connect_timeout_ms: cx.bounded(
+                        &r.connect_timeout_ms,
+                        "upstream.connect_timeout_ms",
+                        1..=120_000,
+                        d.connect_timeout_ms,
+                    ),
+                    first_byte_timeout_ms: cx.bounded(
+                        &r.first_byte_timeout_ms,
+                        "upstream.first_byte_timeout_ms",
+                        1..=u64::MAX,
+                        attempt_timeout_ms,
+                    ),
+                    stream_idle_timeout_ms: cx.bounded(
+                        &r.stream_idle_timeout_ms,
+                        "upstream.stream_idle_timeout_ms",
+                        1..=u64::MAX,
+                        d.stream_idle_timeout_ms,
+                    ),
+                    tcp_keepalive_ms: cx.bounded(
+                        &r.tcp_keepalive_ms,
+                        "upstream.tcp_keepalive_ms",
+                        1_000..=7_200_000,
+                        d.tcp_keepalive_ms,
+                    ),
+                    max_response_bytes: cx.bounded(
+                        &r.max_response_bytes,
+                        "upstream.max_response_bytes",
+                        1024..=1 << 30,
+                        d.max_response_bytes,
+                    ),
+                    max_buffered_before_first_token_bytes: cx.bounded(
+                        &r.max_buffered_before_first_token_bytes,
+                        "upstream.max_buffered_before_first_token_bytes",
+                        1024..=64 << 20,
+                        d.max_buffered_before_first_token_bytes,
+                    ),
+                    max_wait_hint_ms: cx.bounded(
+                        &r.max_wait_hint_ms,
+                        "upstream.max_wait_hint_ms",
+                        1_000..=86_400_000,
+                        d.max_wait_hint_ms,
+                    ),
+                }
+            }
+        };
+        let capacity_queue_max = cx.bounded(
+            &self.capacity_queue_max,
+            "capacity_queue_max",
+            0..=1_000_000,
+            DEFAULT_CAPACITY_QUEUE_MAX,
+        );
+        let simulator = self.simulator.as_ref().map(|s| s.value.clone());
+
         let mut owners = Vec::new();
         let mut owner_names = HashSet::new();
         for (i, o) in self.owners.iter().enumerate() {
@@ -399,12 +741,19 @@ impl RawConfig {
 
         let mut channels = Vec::new();
         let mut channel_names = HashSet::new();
-        if self.channels.value.is_empty() {
-            cx.err(&self.channels, "channels", "at least one channel is required");
-        }
         for (i, c) in self.channels.value.iter().enumerate() {
             let c = &c.value;
             let f = |s: &str| format!("channels[{i}].{s}");
+            let set = |name: &str| env(name).is_some_and(|v| !v.is_empty());
+            let enabled = match (&c.only_if_env, &c.unless_env) {
+                (Some(a), Some(_)) => {
+                    cx.err(a, f("only_if_env"), "give either only_if_env or unless_env, not both");
+                    true
+                }
+                (Some(v), None) => set(&v.value),
+                (None, Some(v)) => !set(&v.value),
+                (None, None) => true,
+            };
             if !valid_name(&c.name.value) {
                 cx.err(&c.name, f("name"), "must be 1-64 letters, digits, '-', '_' or '.'");
             } else if !channel_names.insert(c.name.value.clone()) {
@@ -422,16 +771,51 @@ impl RawConfig {
                 }
             };
             let base_url = c.base_url.value.trim_end_matches('/').to_owned();
-            let scheme_ok = base_url.starts_with("http://") || base_url.starts_with("https://");
-            let host = base_url.split("://").nth(1).unwrap_or_default();
-            if !scheme_ok || host.is_empty() || host.starts_with('/') || base_url.contains(['?', '#', ' ']) {
-                cx.err(
-                    &c.base_url,
-                    f("base_url"),
-                    format!("`{}` is not an http(s) URL without query or fragment", c.base_url.value),
-                );
+            let simulated = base_url.strip_prefix("sim://").map(str::to_owned);
+            if let Some(name) = &simulated {
+                if !simulator.as_ref().is_some_and(|s| s.channels.contains_key(name)) {
+                    cx.err(
+                        &c.base_url,
+                        f("base_url"),
+                        format!("`sim://{name}` names no channel of the `simulator` section"),
+                    );
+                }
+            } else {
+                let scheme_ok = base_url.starts_with("http://") || base_url.starts_with("https://");
+                let authority = base_url
+                    .split("://")
+                    .nth(1)
+                    .unwrap_or_default()
+                    .split('/')
+                    .next()
+                    .unwrap_or_default();
+                let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+                if !scheme_ok || host.is_empty() || authority.contains('@') || base_url.contains(['?', '#', ' ']) {
+                    cx.err(
+                        &c.base_url,
+                        f("base_url"),
+                        format!(
+                            "`{}` is not an http(s) URL without credentials, query or fragment",
+                            c.base_url.value
+                        ),
+                    );
+                } else if base_url.starts_with("http://")
+                    && !is_loopback_host(&strip_port(host).to_ascii_lowercase())
+                    && !c.allow_plain_http.as_ref().is_some_and(|a| a.value)
+                {
+                    // Prompts and the channel's key would cross the network in clear text.
+                    cx.err(
+                        &c.base_url,
+                        f("base_url"),
+                        format!(
+                            "`{}` is plain http:// to a host that is not this machine; use https://, or set `allow_plain_http: true` on the channel if that is really meant",
+                            c.base_url.value
+                        ),
+                    );
+                }
             }
             let api_key = match &c.api_key_env {
+                Some(_) if !enabled => None,
                 Some(e) => match env(&e.value) {
                     Some(v) if !v.is_empty() => Some(v),
                     _ => {
@@ -478,22 +862,33 @@ impl RawConfig {
             {
                 cx.err(t, f("timeout_ms"), "must be greater than 0");
             }
-            channels.push(Channel {
-                name: c.name.value.clone(),
-                format,
-                base_url,
-                api_key,
-                models: c.models.value.clone(),
-                max_concurrency,
-                weight,
-                priority: c.priority.as_ref().map_or(0, |p| p.value),
-                timeout_ms: c.timeout_ms.as_ref().map(|t| t.value),
-            });
+            if enabled {
+                channels.push(Channel {
+                    name: c.name.value.clone(),
+                    format,
+                    base_url,
+                    api_key,
+                    models: c.models.value.clone(),
+                    max_concurrency,
+                    weight,
+                    priority: c.priority.as_ref().map_or(0, |p| p.value),
+                    timeout_ms: c.timeout_ms.as_ref().map(|t| t.value),
+                    simulated,
+                });
+            }
+        }
+        if channels.is_empty() {
+            cx.err(
+                &self.channels,
+                "channels",
+                "at least one channel is required (and in use: check only_if_env / unless_env)",
+            );
         }
 
         let mut keys = Vec::new();
         let mut key_names = HashSet::new();
         let mut secrets = HashSet::new();
+        let mut generated = Vec::new();
         for (i, k) in self.keys.iter().enumerate() {
             let at = k;
             let k = &k.value;
@@ -510,8 +905,21 @@ impl RawConfig {
                     format!("owner `{}` is not listed under `owners`", k.owner.value),
                 );
             }
+            let generate = k.generate_if_unset.as_ref().is_some_and(|g| g.value);
+            if let (true, Some(h)) = (generate, &k.secret_sha256) {
+                cx.err(h, f("generate_if_unset"), "needs secret_env, not secret_sha256");
+            }
             let secret = match (&k.secret_env, &k.secret_sha256) {
-                (Some(e), None) => match env(&e.value) {
+                (Some(e), None) => match env(&e.value).filter(|v| !v.is_empty()) {
+                    None if generate => {
+                        let secret = new_secret();
+                        let hash = hash_secret(&secret);
+                        generated.push(GeneratedSecret {
+                            key: k.name.value.clone(),
+                            secret,
+                        });
+                        Some(hash)
+                    }
                     Some(v) if v.len() >= 16 => Some(hash_secret(&v)),
                     Some(_) => {
                         cx.err(
@@ -588,6 +996,12 @@ impl RawConfig {
         Ok(Config {
             listen,
             listen_warning,
+            allowed_hosts,
+            server,
+            upstream,
+            capacity_queue_max,
+            simulator,
+            generated,
             ledger,
             max_body_bytes,
             attempt_timeout_ms,
@@ -637,7 +1051,9 @@ owners:
 ";
 
     fn parse(text: &str) -> Result<Config> {
-        Config::parse(Path::new("/etc/spillway/gw.yaml"), text, &env)
+        Config::parse(Path::new("/etc/spillway/gw.yaml"), text, &env, &|| {
+            "sk-made-at-start-0123456789".into()
+        })
     }
 
     #[test]
@@ -773,6 +1189,139 @@ owners:
         let sha = hex::encode(hash_secret("sk-app-0123456789abcdef").0);
         let c = parse(&GOOD.replace("secret_env: SPILLWAY_APP_KEY", &format!("secret_sha256: {sha}"))).unwrap();
         assert_eq!(c.keys[0].secret, hash_secret("sk-app-0123456789abcdef"));
+    }
+
+    #[test]
+    fn limits_have_defaults_and_bounds() {
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.server, ServerLimits::default());
+        assert_eq!(c.upstream, UpstreamLimits::default());
+        assert_eq!(c.capacity_queue_max, DEFAULT_CAPACITY_QUEUE_MAX);
+        let c = parse(&format!(
+            "server:\n  header_read_timeout_ms: 500\n  max_connections: 8\nupstream:\n  max_wait_hint_ms: 5000\ncapacity_queue_max: 0\n{GOOD}"
+        ))
+        .unwrap();
+        assert_eq!((c.server.header_read_timeout_ms, c.server.max_connections), (500, 8));
+        assert_eq!(c.server.write_timeout_ms, ServerLimits::default().write_timeout_ms);
+        assert_eq!((c.upstream.max_wait_hint_ms, c.capacity_queue_max), (5000, 0));
+        let e = parse(&format!(
+            "server:\n  max_connections: 0\n  header_read_timout_ms: 5\n{GOOD}"
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("header_read_timout_ms"), "{e}");
+        let e = parse(&format!("server:\n  max_connections: 0\n{GOOD}")).unwrap_err();
+        assert!(
+            e.0.iter().any(|e| e.field == "server.max_connections" && e.line == 2),
+            "{e}"
+        );
+        let e = parse(&format!("upstream:\n  max_wait_hint_ms: 10\n{GOOD}")).unwrap_err();
+        assert!(e.0.iter().any(|e| e.field == "upstream.max_wait_hint_ms"), "{e}");
+    }
+
+    #[test]
+    fn hosts_the_listener_answers() {
+        // spec: P1
+        let c = parse(&format!(
+            "allowed_hosts: [gateway.internal, 'GW.Example.com:8443']\n{GOOD}"
+        ))
+        .unwrap();
+        for ok in [
+            "localhost",
+            "localhost:8787",
+            "127.0.0.1:8787",
+            "[::1]:8787",
+            "app.localhost",
+            "gateway.internal:8787",
+            "gw.example.com",
+        ] {
+            assert!(c.host_allowed(ok), "{ok}");
+        }
+        for no in [
+            "evil.example",
+            "gateway.internal.evil.example",
+            "10.0.0.5",
+            "localhost.evil.example",
+            "",
+        ] {
+            assert!(!c.host_allowed(no), "{no}");
+        }
+        let e = parse(&format!("allowed_hosts: ['a b']\n{GOOD}")).unwrap_err();
+        assert!(e.0.iter().any(|e| e.field == "allowed_hosts"), "{e}");
+    }
+
+    #[test]
+    fn plain_http_to_another_machine_needs_consent() {
+        let remote = GOOD.replace("base_url: http://127.0.0.1:9001/", "base_url: http://10.0.0.7:9001");
+        let e = parse(&remote).unwrap_err();
+        assert!(
+            e.0.iter()
+                .any(|e| e.field == "channels[0].base_url" && e.message.contains("allow_plain_http")),
+            "{e}"
+        );
+        let ok = remote.replace("    weight: 1\n", "    weight: 1\n    allow_plain_http: true\n");
+        assert!(parse(&ok).is_ok());
+        for local in ["http://localhost:9001", "http://[::1]:9001", "https://api.openai.com"] {
+            assert!(parse(&GOOD.replace("http://127.0.0.1:9001/", local)).is_ok(), "{local}");
+        }
+        let e = parse(&GOOD.replace("http://127.0.0.1:9001/", "https://user:pw@api.example.com")).unwrap_err();
+        assert!(e.0.iter().any(|e| e.field == "channels[0].base_url"), "{e}");
+    }
+
+    #[test]
+    fn the_embedded_default_parses_with_and_without_provider_keys() {
+        let text = include_str!("../../../policies/demo.yaml");
+        let none = |_: &str| None;
+        let c = Config::parse(Path::new("demo.yaml"), text, &none, &|| {
+            "sk-spillway-demo-generated".into()
+        })
+        .unwrap();
+        assert!(
+            c.channels.iter().all(|ch| ch.simulated.is_some()),
+            "no key: every channel simulated"
+        );
+        assert_eq!(c.channels.len(), 6);
+        assert_eq!(c.generated.len(), 1);
+        assert_eq!(c.keys[0].secret, hash_secret("sk-spillway-demo-generated"));
+        assert!(!format!("{c:?}").contains("sk-spillway-demo-generated"), "P3");
+        let sim = c.simulator.as_ref().unwrap();
+        assert!(
+            !sim.channels["openai-sim"].random_faults.is_empty(),
+            "the primary has a bad day now and then"
+        );
+        let anthropic = |k: &str| (k == "ANTHROPIC_API_KEY").then(|| "sk-ant-test".to_owned());
+        let c = Config::parse(Path::new("demo.yaml"), text, &anthropic, &|| {
+            "sk-spillway-demo-generated".into()
+        })
+        .unwrap();
+        let real: Vec<_> = c.channels.iter().filter(|c| c.api_key.is_some()).collect();
+        assert_eq!(real.len(), 1);
+        assert_eq!(real[0].base_url, "https://api.anthropic.com");
+        assert!(real[0].serves("claude-opus-4-1"));
+        assert_eq!(c.channels.len(), 5);
+        let example = include_str!("../../../policies/example.yaml");
+        let env = |k: &str| match k {
+            "OPENAI_API_KEY" | "ANTHROPIC_API_KEY" => Some("sk-upstream-example".to_owned()),
+            "SPILLWAY_KEY_SUPPORT_BOT" => Some("sk-support-bot-0123456789".to_owned()),
+            _ => None,
+        };
+        let c = Config::parse(Path::new("example.yaml"), example, &env, &|| unreachable!()).unwrap();
+        assert!(!c.channels.is_empty() && !c.keys.is_empty());
+    }
+
+    #[test]
+    fn sim_channels_must_exist_in_the_simulator_section() {
+        let text = "simulator:\n  channels:\n    a: {latency_ms: 5}\nchannels:\n  - {name: x, format: openai, base_url: 'sim://b', models: ['*']}\n";
+        let e = parse(text).unwrap_err();
+        assert!(
+            e.0.iter()
+                .any(|e| e.field == "channels[0].base_url" && e.message.contains("sim://b")),
+            "{e}"
+        );
+        let mut c = parse(&text.replace("sim://b", "sim://a")).unwrap();
+        c.resolve_simulator(&|n| format!("http://127.0.0.1:9/{n}"));
+        assert_eq!(c.channels[0].base_url, "http://127.0.0.1:9/a");
+        let e = parse(&text.replace("latency_ms: 5", "latency: 5")).unwrap_err();
+        assert!(e.to_string().contains("latency"), "{e}");
     }
 
     #[test]

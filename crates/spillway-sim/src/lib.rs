@@ -6,14 +6,27 @@
 //! to the `default` channel. Each channel's [`Behavior`] comes from a scenario file and can
 //! be changed at run time through the control API under `/_control/`, which also reports
 //! how many calls each channel received, so tests can assert exact upstream call counts.
+//! Like the gateway, it answers only loopback Host names, so a web page cannot reach its
+//! unauthenticated control API through DNS rebinding.
 
 mod behavior;
 mod responses;
 mod server;
 pub mod traffic;
 
-pub use behavior::{Behavior, ChannelStats, ErrorFlavor, Fault, RandomFault, RateLimitHeaders, Scenario, Step};
+pub use behavior::ChannelStats;
 pub use server::{SimHandle, start};
+pub use spillway_policy::sim::{Behavior, ErrorFlavor, Fault, RandomFault, RateLimitHeaders, Scenario, Step};
+
+/// Reads a scenario file.
+pub fn load_scenario(path: &std::path::Path) -> Result<Scenario> {
+    let p = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+        path: p.clone(),
+        source,
+    })?;
+    Scenario::parse(&p, &text).map_err(|message| Error::Scenario { path: p, message })
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

@@ -1,7 +1,7 @@
 //! Provider-shaped answers: whole bodies, stream events and error bodies, per format.
 
-use crate::behavior::{ErrorFlavor, RateLimitHeaders};
 use serde_json::{Value, json};
+use spillway_policy::sim::{ErrorFlavor, RateLimitHeaders};
 use spillway_wire::Format;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -275,25 +275,7 @@ pub fn ratelimit_headers(format: Format, r: &RateLimitHeaders) -> Vec<(String, S
 }
 
 fn rfc3339(t: SystemTime) -> String {
-    let secs = t.duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
-    let days = secs.div_euclid(86_400);
-    let sod = secs.rem_euclid(86_400);
-    // Civil from days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        sod / 3600,
-        sod % 3600 / 60,
-        sod % 60
-    )
+    spillway_wire::UnixMs::from_system(t).to_rfc3339()
 }
 
 #[cfg(test)]
@@ -304,8 +286,11 @@ mod tests {
     fn rfc3339_round_trips_through_the_wire_parser() {
         let t = UNIX_EPOCH + Duration::from_secs(1_780_000_000);
         let s = rfc3339(t);
-        assert_eq!(s, "2026-05-28T20:26:40Z");
-        assert_eq!(spillway_wire::signal::parse_rfc3339(&s), Some(t));
+        assert_eq!(s, "2026-05-28T20:26:40.000Z");
+        assert_eq!(
+            spillway_wire::UnixMs::parse_rfc3339(&s),
+            Some(spillway_wire::UnixMs::from_system(t))
+        );
     }
 
     #[test]

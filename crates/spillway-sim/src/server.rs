@@ -1,6 +1,6 @@
 //! The simulator's HTTP server: channel prefixes, the control API, faults.
 
-use crate::behavior::{Behavior, ChannelStats, ErrorFlavor, Fault, Scenario};
+use crate::behavior::ChannelStats;
 use crate::responses;
 use axum::body::Body;
 use bytes::Bytes;
@@ -9,6 +9,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
+use spillway_policy::sim::{Behavior, ErrorFlavor, Fault, Scenario};
 use spillway_wire::Format;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -222,7 +223,27 @@ fn endpoint(method: &Method, rest: &str, query: &str) -> Option<Endpoint> {
     }
 }
 
+/// The Host a request names (HTTP/2 authority or the Host header), if any.
+fn host_of(req: &Request<Incoming>) -> Option<&str> {
+    req.uri()
+        .authority()
+        .map(|a| a.as_str())
+        .or_else(|| req.headers().get(header::HOST).and_then(|h| h.to_str().ok()))
+}
+
 async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response<Body>, std::io::Error> {
+    if let Some(host) = host_of(&req) {
+        let name = match host.strip_prefix('[') {
+            Some(v6) => v6.split(']').next().unwrap_or_default(),
+            None => host.rsplit_once(':').map_or(host, |(h, _)| h),
+        };
+        if !spillway_policy::is_loopback_host(&name.to_ascii_lowercase()) {
+            return Ok(json_response(
+                StatusCode::FORBIDDEN,
+                &json!({"error": {"message": "the simulator answers loopback host names only"}}),
+            ));
+        }
+    }
     let path = req.uri().path().to_owned();
     let query = req.uri().query().unwrap_or_default().to_owned();
     if let Some(ctl) = path.strip_prefix("/_control") {
@@ -346,6 +367,14 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
                 .status(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
                 .header(header::CONTENT_TYPE, "application/json")
                 .body(Body::from(v.to_string()))
+                .unwrap_or_default());
+        }
+        Fault::Redirect { location, status } => {
+            drop(guard);
+            return Ok(builder
+                .status(StatusCode::from_u16(status.unwrap_or(307)).unwrap_or(StatusCode::TEMPORARY_REDIRECT))
+                .header(header::LOCATION, location)
+                .body(Body::empty())
                 .unwrap_or_default());
         }
         Fault::MalformedBody => {

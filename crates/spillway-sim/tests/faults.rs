@@ -144,7 +144,8 @@ async fn provider_error_shapes_and_retry_after() {
         .await
         .unwrap();
     let ra = r.headers()["retry-after"].to_str().unwrap().to_owned();
-    let ms = spillway_wire::parse_retry_after(&ra, std::time::SystemTime::now()).unwrap();
+    let ms = spillway_wire::parse_retry_after(&ra, spillway_wire::UnixMs::from_system(std::time::SystemTime::now()))
+        .unwrap();
     assert!((28_000..=30_000).contains(&ms), "{ra}");
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["status"], "RESOURCE_EXHAUSTED");
@@ -245,4 +246,43 @@ async fn stream_pace_follows_tokens_per_second() {
         "10 tokens at 50/s take ~200 ms"
     );
     assert!(body.ends_with("data: [DONE]\n\n"));
+}
+
+#[tokio::test]
+async fn redirects_and_foreign_hosts() {
+    let s = sim().await;
+    s.set_behavior(
+        "r",
+        Behavior {
+            fault: Some(Fault::Redirect {
+                location: "http://elsewhere.example/v1/chat/completions".into(),
+                status: None,
+            }),
+            ..Behavior::default()
+        },
+    );
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let r = chat(&client, &s.channel_url("r"), false).send().await.unwrap();
+    assert_eq!(r.status(), 307);
+    assert_eq!(r.headers()["location"], "http://elsewhere.example/v1/chat/completions");
+    // P1-style: a Host that is not this machine's is refused, control API included.
+    for path in ["/_control/channels", "/v1/chat/completions"] {
+        let r = client
+            .get(format!("{}{path}", s.url()))
+            .header("host", "rebound.example")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403, "{path}");
+    }
+    let r = client
+        .get(format!("{}/_control/channels", s.url()))
+        .header("host", format!("localhost:{}", s.addr.port()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
 }

@@ -137,7 +137,11 @@ fn syntax(e: &serde_json::Error) -> RequestError {
             e.column()
         )
     } else {
-        format!("body is not valid JSON ({what} at line {} column {})", e.line(), e.column())
+        format!(
+            "body is not valid JSON ({what} at line {} column {})",
+            e.line(),
+            e.column()
+        )
     };
     RequestError::new(None, msg)
 }
@@ -341,7 +345,10 @@ mod tests {
         bad.extend_from_slice(&[0xff, 0xfe]);
         bad.extend_from_slice(br#""}]}"#);
         let e = parse_request(Format::OpenAi, None, false, &bad).unwrap_err();
-        assert!(e.message.contains("not valid UTF-8") && e.message.contains("offset 51"), "{e}");
+        assert!(
+            e.message.contains("not valid UTF-8") && e.message.contains("offset 51"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -349,16 +356,39 @@ mod tests {
         // spec: A5, P3
         let secret = "sk-live-4f9a8b7c6d5e";
         for (format, body, field) in [
-            (Format::OpenAi, format!(r#"{{"model":"m","messages":"{secret}"}}"#), "messages"),
-            (Format::OpenAi, format!(r#"{{"model":["{secret}"],"messages":[{{}}]}}"#), "model"),
-            (Format::Anthropic, format!(r#"{{"model":"m","max_tokens":"{secret}","messages":[{{}}]}}"#), "max_tokens"),
-            (Format::Gemini, format!(r#"{{"contents":[{{}}],"generationConfig":{{"maxOutputTokens":"{secret}"}}}}"#), "generationConfig.maxOutputTokens"),
-            (Format::OpenAi, format!(r#"{{"model":"{secret} <x>","messages":[{{}}]}}"#), "model"),
+            (
+                Format::OpenAi,
+                format!(r#"{{"model":"m","messages":"{secret}"}}"#),
+                "messages",
+            ),
+            (
+                Format::OpenAi,
+                format!(r#"{{"model":["{secret}"],"messages":[{{}}]}}"#),
+                "model",
+            ),
+            (
+                Format::Anthropic,
+                format!(r#"{{"model":"m","max_tokens":"{secret}","messages":[{{}}]}}"#),
+                "max_tokens",
+            ),
+            (
+                Format::Gemini,
+                format!(r#"{{"contents":[{{}}],"generationConfig":{{"maxOutputTokens":"{secret}"}}}}"#),
+                "generationConfig.maxOutputTokens",
+            ),
+            (
+                Format::OpenAi,
+                format!(r#"{{"model":"{secret} <x>","messages":[{{}}]}}"#),
+                "model",
+            ),
         ] {
             let e = parse_request(format, Some("m"), false, body.as_bytes()).unwrap_err();
             assert_eq!(e.field.as_deref(), Some(field), "{e}");
             assert!(!e.to_string().contains("sk-live"), "{e}");
-            assert!(e.message.starts_with("expected") || e.message.starts_with("must"), "{e}");
+            assert!(
+                e.message.starts_with("expected") || e.message.starts_with("must"),
+                "{e}"
+            );
         }
         let e = err(Format::OpenAi, r#"{"model":"m","messages":"hi"}"#);
         assert_eq!(e.message, "expected a sequence, got a string");

@@ -3,9 +3,9 @@
 //! only this, never a provider's raw shapes.
 
 use crate::Format;
+use crate::time::UnixMs;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use crate::time::UnixMs;
 
 /// The E2 class of an outcome, which decides what happens next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -207,9 +207,7 @@ pub fn parse_go_duration(s: &str) -> Option<u64> {
 fn reset_in_ms(format: Format, value: &str, now: UnixMs) -> Option<u64> {
     match format {
         Format::OpenAi => parse_go_duration(value),
-        Format::Anthropic => {
-            UnixMs::parse_rfc3339(value).map(|t| t.since(now))
-        }
+        Format::Anthropic => UnixMs::parse_rfc3339(value).map(|t| t.since(now)),
         Format::Gemini => None,
     }
 }

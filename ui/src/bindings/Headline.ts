@@ -11,4 +11,8 @@ requests_per_s: number,
 /**
  * Errors ÷ finished requests over the last 60 s, 0–1; absent without traffic.
  */
-error_rate: number | null, p50_ms: number | null, p95_ms: number | null, in_flight: number, };
+error_rate: number | null, p50_ms: number | null, p95_ms: number | null, in_flight: number, 
+/**
+ * Requests refused before they had a valid key, over the last 60 s.
+ */
+rejected_last_minute: number, };

@@ -1,0 +1,228 @@
+//! One start-up path for the binary and the desktop shell (see the crate docs).
+
+use rand::Rng;
+use spillway_engine::admin::AdminToken;
+use spillway_engine::{Console, Options, Running};
+use spillway_policy::{Config, GeneratedSecret, LedgerLocation};
+use spillway_sim::SimHandle;
+use spillway_sim::traffic::Target;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio::task::JoinHandle;
+
+/// The embedded default: simulated providers (real ones for any provider key set), a demo
+/// key made at each start. The file `make run` loads, compiled in.
+pub const EMBEDDED_DEFAULT: &str = include_str!("../../../policies/demo.yaml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("invalid config:\n{0}")]
+    Config(#[from] spillway_policy::ConfigErrors),
+    #[error(transparent)]
+    Engine(#[from] spillway_engine::Error),
+    #[error(transparent)]
+    Sim(#[from] spillway_sim::Error),
+}
+
+/// The console's built files (`ui/dist`), compiled in.
+#[derive(rust_embed::Embed)]
+#[folder = "$CARGO_MANIFEST_DIR/../../ui/dist"]
+#[allow_missing = true]
+struct ConsoleFiles;
+
+/// The console this binary carries, if it was built with one.
+pub fn embedded_console() -> Console {
+    if ConsoleFiles::get("index.html").is_none() {
+        return Console::None;
+    }
+    Console::Embedded(Arc::new(|path: &str| ConsoleFiles::get(path).map(|f| f.data)))
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+fn new_demo_secret() -> String {
+    format!("sk-spillway-demo-{:032x}", rand::rng().random::<u128>())
+}
+
+/// Reads and validates the config at `path`, or the embedded default without one.
+pub fn load(path: Option<&Path>) -> Result<Config, LaunchError> {
+    match path {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|source| LaunchError::Read {
+                path: p.display().to_string(),
+                source,
+            })?;
+            Ok(Config::parse(p, &text, &env, &new_demo_secret)?)
+        }
+        None => Ok(Config::parse(
+            Path::new("<embedded default: policies/demo.yaml>"),
+            EMBEDDED_DEFAULT,
+            &env,
+            &new_demo_secret,
+        )?),
+    }
+}
+
+/// What to start.
+#[derive(Clone, Debug, Default)]
+pub struct Launch {
+    /// The config file; the embedded default without one.
+    pub config: Option<PathBuf>,
+    /// Overrides the config's `listen`.
+    pub listen: Option<SocketAddr>,
+    /// Overrides the config's ledger.
+    pub ledger: Option<PathBuf>,
+    /// A built console on disk instead of the compiled-in one (development).
+    pub ui_dir: Option<PathBuf>,
+    /// Demo traffic to the simulated channels, requests per second.
+    pub demo_traffic: Option<f64>,
+}
+
+/// A started gateway and everything started with it.
+pub struct Launched {
+    pub running: Running,
+    pub url: String,
+    pub token: AdminToken,
+    pub ledger_path: PathBuf,
+    /// Key secrets made at this start, to show once.
+    pub generated: Vec<GeneratedSecret>,
+    /// The simulated providers, when the config asks for any.
+    pub sim: Option<SimHandle>,
+    /// Whether `/` serves a console.
+    pub has_console: bool,
+    /// Set when the config says the listener is reachable from other machines.
+    pub listen_warning: Option<String>,
+    traffic: Option<JoinHandle<()>>,
+}
+
+/// The simulated models demo traffic may go to: real providers cost money.
+fn simulated_targets(config: &Config) -> Vec<Target> {
+    let mut targets: Vec<Target> = config
+        .channels
+        .iter()
+        .filter(|c| c.simulated.is_some())
+        .flat_map(|c| {
+            c.models.iter().filter(|m| *m != "*").map(|m| Target {
+                format: c.format,
+                model: m.clone(),
+            })
+        })
+        .collect();
+    targets.sort_by(|a, b| (a.format, &a.model).cmp(&(b.format, &b.model)));
+    targets.dedup_by(|a, b| a.format == b.format && a.model == b.model);
+    targets
+}
+
+/// Starts everything `l` asks for.
+pub async fn launch(l: Launch) -> Result<Launched, LaunchError> {
+    let mut config = load(l.config.as_deref())?;
+    let listen_warning = match l.listen {
+        Some(a) if !a.ip().is_loopback() => Some(format!(
+            "--listen {a} is not a loopback address; the gateway is reachable from other machines"
+        )),
+        Some(_) => None,
+        None => config.listen_warning.clone(),
+    };
+    let sim = match &config.simulator {
+        Some(scenario) if config.channels.iter().any(|c| c.simulated.is_some()) => {
+            let sim = spillway_sim::start(([127, 0, 0, 1], 0).into(), scenario.clone()).await?;
+            config.resolve_simulator(&|name| sim.channel_url(name));
+            Some(sim)
+        }
+        _ => None,
+    };
+    let ledger_path = match (&l.ledger, &config.ledger) {
+        (Some(p), _) => p.clone(),
+        (None, Some(LedgerLocation::Sqlite(p))) => p.clone(),
+        (None, None) => spillway_engine::data_dir()?.join("ledger.db"),
+    };
+    let token = spillway_engine::admin_token()?;
+    let console = match l
+        .ui_dir
+        .clone()
+        .or_else(|| env("SPILLWAY_UI_DIR").filter(|d| !d.is_empty()).map(PathBuf::from))
+    {
+        Some(dir) => Console::Dir(dir),
+        None => embedded_console(),
+    };
+    let has_console = !matches!(console, Console::None);
+    let generated = std::mem::take(&mut config.generated);
+    let targets = simulated_targets(&config);
+    let demo_key = generated.first().map(|g| g.secret.clone());
+    let running = spillway_engine::start(
+        config,
+        Options {
+            ledger_path: ledger_path.clone(),
+            listen: l.listen,
+            admin_token: Some(token.clone()),
+            console,
+            ..Options::default()
+        },
+    )
+    .await?;
+    let url = format!("http://{}", running.addr);
+    let traffic = match (l.demo_traffic, demo_key) {
+        (Some(rps), Some(key)) if !targets.is_empty() => {
+            Some(spillway_sim::traffic::spawn(url.clone(), key, targets, rps))
+        }
+        (Some(_), _) => {
+            tracing::warn!(
+                "demo traffic needs simulated channels and a generated key (the embedded default); none sent"
+            );
+            None
+        }
+        _ => None,
+    };
+    Ok(Launched {
+        running,
+        url,
+        token,
+        ledger_path,
+        generated,
+        sim,
+        has_console,
+        listen_warning,
+        traffic,
+    })
+}
+
+impl Launched {
+    fn stop_traffic(&self) {
+        if let Some(t) = &self.traffic {
+            t.abort();
+        }
+    }
+
+    /// Graceful: drain within the config's deadline, cut what is left, flush the ledger.
+    pub async fn shutdown(&self) -> Result<(), LaunchError> {
+        self.stop_traffic();
+        self.running.shutdown().await?;
+        Ok(())
+    }
+
+    /// At once: cut everything, record it, flush the ledger.
+    pub async fn abort(&self) -> Result<(), LaunchError> {
+        self.stop_traffic();
+        self.running.abort().await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_embedded_default_targets_only_simulated_models() {
+        let c = Config::parse(Path::new("demo.yaml"), EMBEDDED_DEFAULT, &|_| None, &new_demo_secret).unwrap();
+        let t = simulated_targets(&c);
+        assert_eq!(t.len(), 6);
+        assert_eq!(c.generated.len(), 1);
+        assert!(c.generated[0].secret.starts_with("sk-spillway-demo-"));
+    }
+}

@@ -1,0 +1,10 @@
+//! The start-up path that `spillway serve` and the desktop shell share: read the config
+//! (or the embedded default, `policies/demo.yaml`), start the simulated providers it asks
+//! for, open the ledger, start the engine with the console compiled into this binary, and
+//! start demo traffic; then stop it all in order on shutdown. The engine library knows
+//! nothing of the simulator or the demo: they are wired in here.
+
+pub mod launch;
+pub mod signals;
+
+pub use launch::{Launch, LaunchError, Launched};

@@ -1,0 +1,553 @@
+//! One owner for a request's life, from the moment its key is known until its record is
+//! closed: the [`Life`] holds the ledger record, the key's concurrency slot and the live
+//! figures, and it is the only thing that closes a request. [`Life::close`] turns how the
+//! request ended ([`End`]) into the response, the final record and the metrics, in that one
+//! place; a stream closes through the same place when it ends. A `Life` dropped without
+//! being closed — a client that hung up while it waited, a shutdown that cut it, a panic —
+//! records why on its way out, so no request is ever left without its record.
+//!
+//! The attempt loop and the upstream call report what happened; they decide nothing about
+//! closing.
+
+use crate::clock;
+use crate::error::GatewayError;
+use crate::limits::KeySlot;
+use crate::metrics::RouteKey;
+use crate::routing::WaitGuard;
+use crate::server::ConnState;
+use crate::state::AppState;
+use crate::stream::{Primed, StreamBody};
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode, header};
+use spillway_ledger::{
+    AttemptRecord, Decision, FailureClass, GatewayClass, MAX_MESSAGE, RequestRecord, RequestState, StopReason, truncate,
+};
+use spillway_wire::{ErrorClass, Signal, UnixMs, Usage};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How a request ended, as the attempt loop (or ingress) reports it.
+pub enum End {
+    /// A complete answer from the provider.
+    Answer {
+        status: StatusCode,
+        content_type: HeaderValue,
+        body: Bytes,
+        usage: Usage,
+        att: AttemptRecord,
+    },
+    /// A stream that showed output (or ended cleanly without): it is passed on, and the
+    /// record closes when the stream ends.
+    Stream(Box<Primed>),
+    /// The provider's own 400/404/413/422, returned as it came (D3).
+    PassThrough {
+        status: StatusCode,
+        body: Bytes,
+        att: AttemptRecord,
+        signal: Signal,
+    },
+    /// The request failed: refused by the gateway, or the upstream failed and the loop
+    /// stopped. `class` is the upstream class of the last attempt, when the failure is
+    /// the provider's; `att` that attempt, with the decision that ended the loop.
+    Error {
+        err: GatewayError,
+        class: Option<ErrorClass>,
+        att: Option<AttemptRecord>,
+    },
+    /// The gateway's shutdown cut the request.
+    Cancelled,
+}
+
+impl End {
+    /// A refusal before anything went upstream.
+    pub fn refused(err: GatewayError) -> End {
+        End::Error {
+            err,
+            class: None,
+            att: None,
+        }
+    }
+}
+
+/// How a stream ended.
+pub enum StreamEnd {
+    /// The provider finished (possibly with an error event of its own, noted in the watch).
+    Complete,
+    /// The upstream broke off or went quiet.
+    Broken(ErrorClass, String),
+    /// The client went away (or stopped reading and was cut off).
+    ClientGone,
+    /// The gateway's shutdown cut it.
+    Interrupted,
+}
+
+/// The owner of one request's record, slots and figures (see the module docs).
+pub struct Life {
+    st: Arc<AppState>,
+    pub rec: RequestRecord,
+    route: Option<RouteKey>,
+    key_slot: Option<KeySlot>,
+    /// Counted as in flight in the metrics (admitted to a channel).
+    admitted: bool,
+    /// The attempt whose upstream call is in progress: what a cut leaves behind.
+    calling: Option<AttemptRecord>,
+    conn: Option<Arc<ConnState>>,
+    closed: bool,
+}
+
+impl Life {
+    pub fn new(st: Arc<AppState>, rec: RequestRecord, conn: Option<Arc<ConnState>>) -> Life {
+        st.shutdown.opened();
+        Life {
+            st,
+            rec,
+            route: None,
+            key_slot: None,
+            admitted: false,
+            calling: None,
+            conn,
+            closed: false,
+        }
+    }
+
+    pub fn st(&self) -> &Arc<AppState> {
+        &self.st
+    }
+
+    /// The model is known: the request belongs to its route from here on.
+    pub fn set_route(&mut self) {
+        self.route = RouteKey::of(&self.rec);
+    }
+
+    /// B1: the key's concurrency slot, held until the request (stream included) ends.
+    pub fn hold_key(&mut self, slot: KeySlot) {
+        self.key_slot = Some(slot);
+    }
+
+    /// What a capacity wait calls to take its place in the queue (C2).
+    pub fn wait_guard(&self) -> impl FnOnce() -> Result<WaitGuard, GatewayError> + use<> {
+        let (st, route) = (self.st.clone(), self.route.clone());
+        move || match route {
+            Some(r) => WaitGuard::queued(&st, r),
+            None => Ok(WaitGuard(None)),
+        }
+    }
+
+    /// I3: the first attempt is about to start on `channel`; `calling_api` is durable
+    /// before anything leaves for the provider.
+    pub async fn calling_api(&mut self, channel: &str, waited: Option<Duration>) -> Result<(), GatewayError> {
+        let now = clock::now();
+        self.rec.state = RequestState::CallingApi;
+        self.rec.admitted_at = Some(now);
+        self.rec.served_model = self.rec.requested_model.clone();
+        self.rec.channel = Some(channel.to_owned());
+        self.rec.attempts = 1;
+        if let Some(w) = waited {
+            self.rec.queued_ms = Some(clock::ms(w));
+        }
+        if let Err(e) = self.st.ledger.put_request_durable(self.rec.clone()).await {
+            tracing::error!(error = %e, request_id = %self.rec.id, "ledger unavailable; refusing to call upstream");
+            self.rec.state = RequestState::Received;
+            return Err(GatewayError::LedgerUnavailable);
+        }
+        if let Some(r) = &self.route {
+            if let Some(w) = waited {
+                self.st.metrics.waited(r, clock::ms(w));
+            }
+            self.st.metrics.started(r, now);
+        }
+        self.admitted = true;
+        Ok(())
+    }
+
+    /// An attempt starts on `channel`: its record so far, kept until it returns.
+    pub fn begin_attempt(&mut self, channel: &str) -> AttemptRecord {
+        let att = AttemptRecord::started(&self.rec.id, self.rec.attempts, channel, clock::now());
+        self.calling = Some(att.clone());
+        att
+    }
+
+    /// The upstream call returned (whatever it brought).
+    pub fn attempt_returned(&mut self) {
+        self.calling = None;
+    }
+
+    /// A failed attempt that the loop goes on from, with its decision.
+    pub async fn record_attempt(&mut self, att: AttemptRecord) {
+        if let Some(r) = &self.route {
+            self.st.metrics.attempt_failed(r, att.error_class);
+        }
+        if let Err(e) = self.st.ledger.put_attempt(att).await {
+            tracing::error!(error = %e, "could not record an attempt");
+        }
+    }
+
+    /// I5: a long wait is on record before it starts, so a restart knows when the work
+    /// may resume.
+    pub async fn wait_until(&mut self, ready_at: UnixMs) {
+        self.rec.next_ready_at = Some(ready_at);
+        if let Err(e) = self.st.ledger.put_request_durable(self.rec.clone()).await {
+            tracing::error!(error = %e, request_id = %self.rec.id, "could not record a retry's ready_at");
+        }
+    }
+
+    /// The next attempt is admitted on `channel`; its count is on record as it starts (I5).
+    pub async fn next_attempt(&mut self, channel: &str, waited: Option<Duration>) {
+        self.rec.next_ready_at = None;
+        self.rec.attempts += 1;
+        self.rec.channel = Some(channel.to_owned());
+        if let Some(w) = waited {
+            self.rec.queued_ms = Some(self.rec.queued_ms.unwrap_or(0) + clock::ms(w));
+            if let Some(r) = &self.route {
+                self.st.metrics.waited(r, clock::ms(w));
+            }
+        }
+        if let Err(e) = self.st.ledger.put_request(self.rec.clone()).await {
+            tracing::error!(error = %e, "could not record an attempt count");
+        }
+    }
+
+    /// Why the client is gone: it stopped reading (and was cut off), or it hung up.
+    fn gone_class(&self) -> GatewayClass {
+        if self.conn.as_ref().is_some_and(|c| c.stalled()) {
+            GatewayClass::ClientStalled
+        } else {
+            GatewayClass::ClientDisconnected
+        }
+    }
+
+    /// Closes the request with `end`: the response, the final record and the figures,
+    /// here and nowhere else. A stream's record closes when the stream ends.
+    pub async fn close(mut self, end: End) -> Response {
+        let format = self.rec.format;
+        let now = clock::now();
+        match end {
+            End::Answer {
+                status,
+                content_type,
+                body,
+                usage,
+                mut att,
+            } => {
+                apply_usage(&mut self.rec, &mut att, &usage);
+                att.finished_at = Some(now);
+                att.decision = Some(Decision::Done);
+                self.rec.upstream_request_id = att.upstream_request_id.clone();
+                self.rec.first_token_at = att.first_byte_at;
+                self.rec.finished_at = Some(now);
+                self.rec.state = RequestState::Done;
+                self.rec.http_status = Some(status.as_u16());
+                self.rec.next_ready_at = None;
+                let mut out = Response::new(Body::from(body));
+                *out.status_mut() = status;
+                out.headers_mut().insert(header::CONTENT_TYPE, content_type);
+                gateway_headers(out.headers_mut(), &self.rec);
+                self.settle(Some(att)).await;
+                out
+            }
+            End::PassThrough {
+                status,
+                body,
+                mut att,
+                signal,
+            } => {
+                att.finished_at = Some(now);
+                att.decision = Some(Decision::PassedThrough);
+                att.decision_reason = Some(StopReason::NotRetryable);
+                self.rec.upstream_request_id = att.upstream_request_id.clone();
+                let message = signal
+                    .message
+                    .clone()
+                    .map(|m| truncate(m, MAX_MESSAGE))
+                    .unwrap_or_default();
+                self.rec.fail(Some(status.as_u16()), signal.class, message, now);
+                let mut out = Response::new(Body::from(body));
+                *out.status_mut() = status;
+                let h = out.headers_mut();
+                h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                h.insert("x-should-retry", HeaderValue::from_static("false"));
+                gateway_headers(h, &self.rec);
+                self.settle(Some(att)).await;
+                out
+            }
+            End::Error { err, class, att } => {
+                let gone = matches!(err, GatewayError::ClientGone);
+                let class: FailureClass = match (gone, err.class(), class) {
+                    (true, _, _) => self.gone_class().into(),
+                    (false, Some(g), _) => g.into(),
+                    (false, None, Some(c)) => c.into(),
+                    (false, None, None) => ErrorClass::Unknown.into(),
+                };
+                let mut message = err.to_string();
+                if self.rec.attempts > 0 && err.class().is_some() {
+                    message = format!("{message} (after {} failed attempt(s))", self.rec.attempts);
+                }
+                // Nobody receives an answer to a client that left.
+                let status = (!gone).then(|| err.kind().status());
+                self.rec.fail(status, class, truncate(message, MAX_MESSAGE), now);
+                if !self.admitted {
+                    // C3: nothing went upstream, so nothing is billed.
+                    self.rec.cost_usd = Some(0.0);
+                }
+                if let Some(u) = att.as_ref().and_then(|a| a.upstream_request_id.clone()) {
+                    self.rec.upstream_request_id = Some(u);
+                }
+                let mut out = err.into_response(format);
+                if self.admitted {
+                    gateway_headers(out.headers_mut(), &self.rec);
+                }
+                self.settle(att).await;
+                out
+            }
+            End::Stream(primed) => {
+                let content_type = primed.content_type.clone();
+                self.rec.upstream_request_id = primed.att.upstream_request_id.clone();
+                let mut out = Response::new(Body::empty());
+                *out.status_mut() = StatusCode::OK;
+                let h = out.headers_mut();
+                h.insert(header::CONTENT_TYPE, content_type);
+                h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+                gateway_headers(h, &self.rec);
+                *out.body_mut() = Body::from_stream(StreamBody::new(*primed, self));
+                out
+            }
+            End::Cancelled => {
+                self.interrupted(now);
+                self.settle_now();
+                GatewayError::ShuttingDown.into_response(format)
+            }
+        }
+    }
+
+    /// The shutdown (or a crash of the task) cut the request: an upstream call in flight
+    /// leaves its outcome unknown (I4), anything else simply did not happen.
+    fn interrupted(&mut self, now: UnixMs) {
+        match self.calling.take() {
+            Some(mut att) => {
+                att.finished_at = Some(now);
+                att.message = Some("the gateway stopped during this call; the provider's outcome is unknown".into());
+                att.decision = Some(Decision::FailClosed);
+                att.decision_reason = Some(StopReason::Interrupted);
+                self.rec.end(
+                    RequestState::Unknown,
+                    None,
+                    GatewayClass::Interrupted,
+                    "the gateway stopped while this request was calling the provider; its outcome is unknown",
+                    now,
+                );
+                self.st.ledger.enqueue_attempt(att);
+            }
+            None => {
+                let what = if self.admitted {
+                    "the gateway stopped while the request waited to retry; nothing more was sent upstream"
+                } else {
+                    "the gateway stopped before the request was sent upstream"
+                };
+                self.rec.fail(None, GatewayClass::Shutdown, what, now);
+                if !self.admitted {
+                    self.rec.cost_usd = Some(0.0);
+                }
+            }
+        }
+    }
+
+    /// A stream ended: its attempt and the request close here, through the same `settle`.
+    pub(crate) fn close_stream(&mut self, end: StreamEnd, primed: &mut Primed) {
+        let now = clock::now();
+        let watch = &mut primed.watch;
+        let mut att = primed.att.clone();
+        apply_usage(&mut self.rec, &mut att, &watch.usage);
+        self.rec.first_token_at = watch.first_token_at;
+        att.finished_at = Some(now);
+        att.http_status = Some(200);
+        let failure: Option<(FailureClass, String, RequestState)> = match end {
+            StreamEnd::Complete => watch.stream_error.take().map(|s| {
+                (
+                    s.class.into(),
+                    format!(
+                        "provider sent an error event: {}",
+                        s.message
+                            .as_deref()
+                            .or(s.provider_error_type.as_deref())
+                            .unwrap_or("error")
+                    ),
+                    RequestState::Failed,
+                )
+            }),
+            StreamEnd::Broken(class, m) => Some((class.into(), m, RequestState::Failed)),
+            StreamEnd::ClientGone => Some((
+                self.gone_class().into(),
+                "client went away before the stream ended".to_owned(),
+                RequestState::Failed,
+            )),
+            // The provider was still producing: what it did in the end is not known.
+            StreamEnd::Interrupted => Some((
+                GatewayClass::Interrupted.into(),
+                "the gateway stopped while the stream was running; the provider's outcome is unknown".to_owned(),
+                RequestState::Unknown,
+            )),
+        };
+        match failure {
+            None => {
+                self.rec.state = RequestState::Done;
+                self.rec.http_status = Some(200);
+                self.rec.finished_at = Some(now);
+                self.rec.next_ready_at = None;
+                att.error_class = ErrorClass::Success;
+                att.decision = Some(Decision::Done);
+            }
+            Some((class, message, state)) => {
+                let message = truncate(message, MAX_MESSAGE);
+                self.rec.end(state, Some(200), class, message.clone(), now);
+                // H2: output the client already saw is committed; it is never replayed.
+                self.rec.partial_output_committed = watch.first_token_at.is_some();
+                if let FailureClass::Upstream(c) = class {
+                    att.error_class = c;
+                }
+                att.message = Some(message);
+                att.visibility = Some(if self.rec.partial_output_committed {
+                    spillway_wire::Visibility::AfterPartialOutput
+                } else {
+                    spillway_wire::Visibility::BeforeFirstToken
+                });
+                // F2's first rule: once output is visible the request fails closed.
+                att.decision = Some(Decision::FailClosed);
+                att.decision_reason = Some(match end_reason(&class, self.rec.partial_output_committed) {
+                    Some(r) => r,
+                    None => StopReason::NotRetryable,
+                });
+            }
+        }
+        if let Some(r) = &self.route
+            && att.error_class != ErrorClass::Success
+        {
+            self.st.metrics.attempt_failed(r, att.error_class);
+        }
+        self.st.ledger.enqueue_attempt(att);
+        self.settle_now();
+    }
+
+    /// The final record and figures, with backpressure on the ledger's queue.
+    async fn settle(&mut self, att: Option<AttemptRecord>) {
+        if let Some(a) = att
+            && let Err(e) = self.st.ledger.put_attempt(a).await
+        {
+            tracing::error!(error = %e, "could not record an attempt");
+        }
+        self.finish_figures();
+        if let Err(e) = self.st.ledger.put_request(self.rec.clone()).await {
+            tracing::error!(error = %e, request_id = %self.rec.id, "could not record a request");
+        }
+        self.release();
+    }
+
+    /// The same, from code that cannot wait (a stream's end in `poll` or `drop`): queued
+    /// at once, in order, before the connection reports the response finished, so a
+    /// shutdown that waits for the connection and then flushes cannot miss it.
+    fn settle_now(&mut self) {
+        self.finish_figures();
+        self.st.ledger.enqueue_request(self.rec.clone());
+        self.release();
+    }
+
+    fn finish_figures(&mut self) {
+        let at = self.rec.finished_at.unwrap_or_else(clock::now);
+        self.st.metrics.finished(&self.rec, self.admitted, at);
+    }
+
+    fn release(&mut self) {
+        self.key_slot.take();
+        self.closed = true;
+        self.st.shutdown.closed();
+    }
+}
+
+fn end_reason(class: &FailureClass, committed: bool) -> Option<StopReason> {
+    match class {
+        _ if committed => Some(StopReason::PartialOutputCommitted),
+        FailureClass::Gateway(GatewayClass::ClientDisconnected | GatewayClass::ClientStalled) => {
+            Some(StopReason::ClientGone)
+        }
+        FailureClass::Gateway(GatewayClass::Interrupted) => Some(StopReason::Interrupted),
+        _ => None,
+    }
+}
+
+impl Drop for Life {
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        let now = clock::now();
+        if std::thread::panicking() {
+            // A bug cut the request short: say so, and keep an in-flight call's
+            // outcome honest (unknown).
+            let calling = self.calling.take();
+            let state = if calling.is_some() {
+                RequestState::Unknown
+            } else {
+                RequestState::Failed
+            };
+            if let Some(mut att) = calling {
+                att.finished_at = Some(now);
+                att.decision = Some(Decision::FailClosed);
+                att.decision_reason = Some(StopReason::Interrupted);
+                self.st.ledger.enqueue_attempt(att);
+            }
+            self.rec.end(
+                state,
+                Some(500),
+                GatewayClass::InternalError,
+                "the gateway failed while handling this request (a bug); see its log",
+                now,
+            );
+        } else if self.st.shutdown.cancel.is_cancelled() || self.calling.is_some() {
+            self.interrupted(now);
+        } else {
+            // C4: the client went away while the request waited; nothing was sent upstream.
+            let class = self.gone_class();
+            self.rec.fail(None, class, GatewayError::ClientGone.to_string(), now);
+            if !self.admitted {
+                self.rec.cost_usd = Some(0.0);
+            }
+        }
+        self.settle_now();
+    }
+}
+
+fn apply_usage(rec: &mut RequestRecord, att: &mut AttemptRecord, u: &Usage) {
+    rec.input_tokens = u.input_tokens;
+    rec.output_tokens = u.output_tokens;
+    rec.cached_input_tokens = u.cached_input_tokens;
+    rec.reasoning_tokens = u.reasoning_tokens;
+    att.input_tokens = u.input_tokens;
+    att.output_tokens = u.output_tokens;
+}
+
+/// The A7 headers, on success and on failures after admission alike.
+pub fn gateway_headers(h: &mut HeaderMap, rec: &RequestRecord) {
+    let mut set = |name: &'static str, v: &str| {
+        if let Ok(v) = HeaderValue::from_str(v) {
+            h.insert(name, v);
+        }
+    };
+    set("x-spillway-attempts", &rec.attempts.to_string());
+    if let Some(m) = &rec.served_model {
+        set("x-spillway-served-model", m);
+    }
+    if let Some(r) = &rec.route {
+        set("x-spillway-route", r);
+    }
+    if let Some(c) = &rec.channel {
+        set("x-spillway-channel", c);
+    }
+    if let Some(q) = rec.queued_ms {
+        set("x-spillway-queued-ms", &q.to_string());
+    }
+    if let Some(u) = &rec.upstream_request_id {
+        set("x-spillway-upstream-request-id", u);
+    }
+}

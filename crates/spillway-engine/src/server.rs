@@ -1,0 +1,408 @@
+//! The listener and every client connection's limits: a cap on open connections (past it
+//! a connection is answered 503 and closed), HTTP/1.1 and HTTP/2 on one port with a cap
+//! on concurrent HTTP/2 streams, and a watchdog per connection that closes it when
+//! - it sits idle between requests longer than `keep_alive_idle_ms`,
+//! - a request's headers take longer than `header_read_timeout_ms` from its first byte
+//!   (slowloris),
+//! - the client stops reading its answer for `write_timeout_ms`: the connection is cut, the
+//!   response (a stream above all) is dropped, and its channel and key slots come free; the
+//!   request is recorded as `client_stalled`.
+//!
+//! Shutdown is two steps ([`crate::state::Shutdown`]): draining stops the accept loop and
+//! asks each connection to finish gracefully; cancelling drops what is left.
+
+use crate::state::AppState;
+use axum::Router;
+use axum::body::Body;
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, Semaphore};
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+
+/// What the watchdog knows of one client connection. Requests find it in their
+/// extensions (to tell a stalled reader from one that hung up).
+pub struct ConnState {
+    pub peer: SocketAddr,
+    base: Instant,
+    /// Requests in flight on the connection.
+    busy: AtomicU32,
+    /// Milliseconds since `base` when the connection last became idle.
+    idle_since: AtomicU64,
+    /// 1 + milliseconds since `base` of the first byte read while idle (a request head
+    /// arriving); 0 when none.
+    head_at: AtomicU64,
+    /// 1 + milliseconds since `base` since writes have been pending; 0 when they are not.
+    write_blocked: AtomicU64,
+    stalled: AtomicBool,
+    kick: Notify,
+}
+
+impl ConnState {
+    fn new(peer: SocketAddr) -> ConnState {
+        ConnState {
+            peer,
+            base: Instant::now(),
+            busy: AtomicU32::new(0),
+            idle_since: AtomicU64::new(0),
+            head_at: AtomicU64::new(0),
+            write_blocked: AtomicU64::new(0),
+            stalled: AtomicBool::new(false),
+            kick: Notify::new(),
+        }
+    }
+
+    fn ms(&self) -> u64 {
+        self.base.elapsed().as_millis() as u64
+    }
+
+    /// The client stopped reading and the connection was cut for it.
+    pub fn stalled(&self) -> bool {
+        self.stalled.load(Ordering::Acquire)
+    }
+
+    fn request_started(&self) {
+        self.busy.fetch_add(1, Ordering::AcqRel);
+        self.head_at.store(0, Ordering::Release);
+    }
+
+    fn request_ended(&self) {
+        if self.busy.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.idle_since.store(self.ms(), Ordering::Release);
+            self.head_at.store(0, Ordering::Release);
+            self.kick.notify_one();
+        }
+    }
+
+    fn read_some(&self) {
+        if self.busy.load(Ordering::Acquire) == 0 && self.head_at.load(Ordering::Acquire) == 0 {
+            self.head_at.store(self.ms() + 1, Ordering::Release);
+            self.kick.notify_one();
+        }
+    }
+
+    fn write_pending(&self) {
+        if self.write_blocked.load(Ordering::Acquire) == 0 {
+            self.write_blocked.store(self.ms() + 1, Ordering::Release);
+            self.kick.notify_one();
+        }
+    }
+
+    fn write_done(&self) {
+        if self.write_blocked.load(Ordering::Relaxed) != 0 {
+            self.write_blocked.store(0, Ordering::Release);
+        }
+    }
+
+    /// When the connection must be closed if nothing changes, and why.
+    fn deadline(&self, limits: &Limits) -> Option<(Instant, Expiry)> {
+        let at = |ms: u64| self.base + Duration::from_millis(ms);
+        let mut soonest: Option<(Instant, Expiry)> = None;
+        let mut consider = |t: Instant, why: Expiry| {
+            if soonest.is_none_or(|(s, _)| t < s) {
+                soonest = Some((t, why));
+            }
+        };
+        let blocked = self.write_blocked.load(Ordering::Acquire);
+        if blocked != 0 {
+            consider(at(blocked - 1) + limits.write, Expiry::Stalled);
+        }
+        if self.busy.load(Ordering::Acquire) == 0 {
+            match self.head_at.load(Ordering::Acquire) {
+                0 => consider(at(self.idle_since.load(Ordering::Acquire)) + limits.idle, Expiry::Idle),
+                head => consider(at(head - 1) + limits.header, Expiry::Header),
+            }
+        }
+        soonest
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Expiry {
+    Idle,
+    Header,
+    Stalled,
+}
+
+#[derive(Clone, Copy)]
+struct Limits {
+    header: Duration,
+    idle: Duration,
+    write: Duration,
+}
+
+/// A client socket that tells the watchdog when bytes arrive and when writes stall.
+struct WatchedIo {
+    inner: TcpStream,
+    conn: Arc<ConnState>,
+}
+
+impl AsyncRead for WatchedIo {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.conn.read_some();
+        }
+        r
+    }
+}
+
+impl WatchedIo {
+    fn note<T>(&self, r: &Poll<std::io::Result<T>>) {
+        match r {
+            Poll::Pending => self.conn.write_pending(),
+            Poll::Ready(_) => self.conn.write_done(),
+        }
+    }
+}
+
+impl AsyncWrite for WatchedIo {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.note(&r);
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.note(&r);
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_flush(cx);
+        self.note(&r);
+        r
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A response body that tells the watchdog when its request is over.
+struct Tracked {
+    inner: Body,
+    conn: Option<Arc<ConnState>>,
+}
+
+impl Tracked {
+    fn end(&mut self) {
+        if let Some(c) = self.conn.take() {
+            c.request_ended();
+        }
+    }
+}
+
+impl HttpBody for Tracked {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let r = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(r, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
+            self.end();
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// The router as a hyper service that hands each request its connection's state.
+#[derive(Clone)]
+struct Svc {
+    router: Router,
+    conn: Arc<ConnState>,
+}
+
+impl hyper::service::Service<Request<Incoming>> for Svc {
+    type Response = Response<Tracked>;
+    type Error = std::convert::Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
+        use tower::ServiceExt;
+        self.conn.request_started();
+        req.extensions_mut().insert(self.conn.clone());
+        let (router, conn) = (self.router.clone(), self.conn.clone());
+        Box::pin(async move {
+            // Ends the request for the watchdog even if the handler never answers (the
+            // client hung up first); handed to the response body once there is one.
+            let mut pending = Tracked {
+                inner: Body::empty(),
+                conn: Some(conn),
+            };
+            let resp = match router.oneshot(req.map(Body::new)).await {
+                Ok(r) => r,
+                Err(never) => match never {},
+            };
+            let conn = pending.conn.take();
+            Ok(resp.map(|inner| Tracked { inner, conn }))
+        })
+    }
+}
+
+/// A bare 503 for a connection over the cap, written without waiting on the client.
+static OVER_CAPACITY: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+    let body = r#"{"error":{"message":"The gateway has too many open connections. Retry shortly.","type":"api_error","code":"service_unavailable"}}"#;
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+});
+
+/// Serves `router` on `listener` until the state's shutdown says stop. Returns when the
+/// listener is closed and every connection has ended.
+pub async fn serve(listener: TcpListener, router: Router, st: Arc<AppState>) {
+    let cfg = &st.config.server;
+    let limits = Limits {
+        header: Duration::from_millis(cfg.header_read_timeout_ms),
+        idle: Duration::from_millis(cfg.keep_alive_idle_ms),
+        write: Duration::from_millis(cfg.write_timeout_ms),
+    };
+    let slots = Arc::new(Semaphore::new(cfg.max_connections as usize));
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    // The watchdog owns header and idle deadlines: hyper's own header timer also runs
+    // while a keep-alive connection idles, which would make the two one.
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(None)
+        .keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(cfg.max_http2_streams)
+        .keep_alive_interval(Some(Duration::from_secs(20)))
+        .keep_alive_timeout(Duration::from_secs(20));
+    let builder = Arc::new(builder);
+    let tracker = TaskTracker::new();
+    let draining = st.shutdown.draining.clone();
+    let mut refused_logged = false;
+    loop {
+        let (stream, peer) = tokio::select! {
+            biased;
+            _ = draining.cancelled() => break,
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors, most likely: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            if !refused_logged {
+                tracing::warn!(
+                    max = cfg.max_connections,
+                    "connection cap reached; refusing new connections with 503"
+                );
+                refused_logged = true;
+            }
+            let _ = stream.try_write(&OVER_CAPACITY);
+            drop(stream);
+            continue;
+        };
+        refused_logged = false;
+        let _ = stream.set_nodelay(true);
+        let _ = socket2::SockRef::from(&stream)
+            .set_tcp_keepalive(&socket2::TcpKeepalive::new().with_time(Duration::from_secs(60)));
+        let conn = Arc::new(ConnState::new(peer));
+        let io = TokioIo::new(WatchedIo {
+            inner: stream,
+            conn: conn.clone(),
+        });
+        let svc = Svc {
+            router: router.clone(),
+            conn: conn.clone(),
+        };
+        let (builder, st) = (builder.clone(), st.clone());
+        tracker.spawn(async move {
+            let _slot = slot;
+            let conn_fut = builder.serve_connection(io, svc);
+            tokio::pin!(conn_fut);
+            let mut draining = false;
+            // Once the shutdown cuts requests, their answers (a 503, a stream's closing
+            // error event) get a moment to be written before the connection goes.
+            let mut last_call: Option<Instant> = None;
+            loop {
+                let deadline = conn.deadline(&limits);
+                tokio::select! {
+                    _ = &mut conn_fut => break,
+                    _ = sleep_until(last_call) => break,
+                    _ = st.shutdown.cancel.cancelled(), if last_call.is_none() => {
+                        last_call = Some(Instant::now() + Duration::from_secs(1));
+                        if !draining {
+                            draining = true;
+                            conn_fut.as_mut().graceful_shutdown();
+                        }
+                    }
+                    _ = st.shutdown.draining.cancelled(), if !draining => {
+                        draining = true;
+                        conn_fut.as_mut().graceful_shutdown();
+                    }
+                    _ = conn.kick.notified() => {}
+                    _ = sleep_until(deadline.map(|d| d.0)) => {
+                        // Re-read: the state may have moved on since the deadline was set.
+                        if let Some((at, why)) = conn.deadline(&limits)
+                            && at <= Instant::now()
+                        {
+                            if why == Expiry::Stalled {
+                                conn.stalled.store(true, Ordering::Release);
+                                tracing::info!(peer = %conn.peer, "client stopped reading its answer; connection closed");
+                            }
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+    }
+    drop(listener);
+    tracker.close();
+    tracker.wait().await;
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}

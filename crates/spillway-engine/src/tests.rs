@@ -1,0 +1,746 @@
+//! The request path driven directly: the attempt loop and the stream observer on tokio's
+//! paused clock with scripted upstream outcomes (so every delay is exact), and the whole
+//! server on loopback for what only a real socket shows (panics, a ledger that refuses
+//! writes, shutdown).
+
+use crate::clock;
+use crate::failover::{self, Attempt, Caller, Ctx};
+use crate::life::{End, Life};
+use crate::routing::{self, Admitted};
+use crate::state::{AppState, Severity};
+use crate::stream::{ByteStream, Primed, StreamBody};
+use crate::trace::TraceContext;
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use spillway_ledger::{
+    AttemptRecord, Decision, FailureClass, GatewayClass, Ledger, LedgerBackend, Page, RequestRecord, RequestState,
+    Search, StopReason,
+};
+use spillway_policy::Config;
+use spillway_wire::{ErrorClass, Format, ParsedRequest, Signal, UnixMs, Usage};
+use std::collections::{HashMap, VecDeque};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+
+const KEY: &str = "sk-engine-test-0123456789";
+
+/// A config with `channels` (name, max concurrency) serving model `m` in the OpenAI format.
+fn config(extra: &str, channels: &[(&str, u32)]) -> Config {
+    let mut y = format!("listen: 127.0.0.1:0\n{extra}\nchannels:\n");
+    for (i, (name, cap)) in channels.iter().enumerate() {
+        y += &format!(
+            "  - {{name: {name}, format: openai, base_url: 'http://127.0.0.1:9/{name}', models: [m], max_concurrency: {cap}, priority: {}}}\n",
+            channels.len() - i
+        );
+    }
+    y += "keys:\n  - {name: app, owner: team, secret_env: KEY, max_concurrency: 1}\nowners:\n  - {name: team}\n";
+    Config::parse(
+        Path::new("test.yaml"),
+        &y,
+        &|k| (k == "KEY").then(|| KEY.into()),
+        &|| unreachable!(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A store in memory that keeps every write, in order: the loop's records can be read
+/// back without real I/O, which would let the paused clock jump while it waits.
+#[derive(Default)]
+struct Memory {
+    writes: Mutex<Vec<RequestRecord>>,
+    attempts: Mutex<Vec<AttemptRecord>>,
+    refuse: AtomicBool,
+}
+
+#[async_trait]
+impl LedgerBackend for Memory {
+    async fn write_batch(&self, r: &[RequestRecord], a: &[AttemptRecord]) -> spillway_ledger::Result<()> {
+        if self.refuse.load(Ordering::SeqCst) {
+            return Err(spillway_ledger::Error::Unavailable("database or disk is full".into()));
+        }
+        self.writes.lock().unwrap().extend_from_slice(r);
+        self.attempts.lock().unwrap().extend_from_slice(a);
+        Ok(())
+    }
+    async fn get_request(&self, id: &str) -> spillway_ledger::Result<Option<RequestRecord>> {
+        Ok(self.writes.lock().unwrap().iter().rev().find(|r| r.id == id).cloned())
+    }
+    async fn attempts(&self, id: &str) -> spillway_ledger::Result<Vec<AttemptRecord>> {
+        let mut v: Vec<AttemptRecord> = Vec::new();
+        for a in self.attempts.lock().unwrap().iter().filter(|a| a.request_id == id) {
+            v.retain(|x| x.attempt_no != a.attempt_no);
+            v.push(a.clone());
+        }
+        v.sort_by_key(|a| a.attempt_no);
+        Ok(v)
+    }
+    async fn search(&self, _: &Search) -> spillway_ledger::Result<Page> {
+        Ok(Page {
+            items: vec![],
+            next: None,
+        })
+    }
+    async fn mark_interrupted_unknown(&self) -> spillway_ledger::Result<u64> {
+        Ok(0)
+    }
+    async fn maintain(&self) -> spillway_ledger::Result<u64> {
+        Ok(0)
+    }
+}
+
+impl Memory {
+    fn states(&self, id: &str) -> Vec<RequestState> {
+        self.writes
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| r.id == id)
+            .map(|r| r.state)
+            .collect()
+    }
+}
+
+fn state_with(cfg: Config) -> (Arc<AppState>, Arc<Memory>) {
+    let mem = Arc::new(Memory::default());
+    let ledger = Ledger::start(mem.clone());
+    (Arc::new(AppState::new(cfg, ledger).unwrap()), mem)
+}
+
+/// One scripted upstream outcome.
+#[derive(Clone)]
+enum Step {
+    Fail {
+        status: u16,
+        class: ErrorClass,
+        hint_ms: Option<u64>,
+    },
+    Answer,
+    /// Never answers (until the request is cut).
+    Hang,
+    Panic,
+}
+
+fn fail(status: u16, class: ErrorClass, hint_ms: Option<u64>) -> Step {
+    Step::Fail { status, class, hint_ms }
+}
+
+/// Upstream outcomes per channel, in order; an unscripted call answers.
+#[derive(Default)]
+struct Scripted {
+    steps: Mutex<HashMap<String, VecDeque<Step>>>,
+    calls: Mutex<Vec<String>>,
+}
+
+impl Scripted {
+    fn with(script: &[(&str, Step)]) -> Scripted {
+        let s = Scripted::default();
+        for (ch, step) in script {
+            s.steps
+                .lock()
+                .unwrap()
+                .entry(ch.to_string())
+                .or_default()
+                .push_back(step.clone());
+        }
+        s
+    }
+
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl Caller for Scripted {
+    async fn call(&self, _st: &AppState, _ctx: &Ctx, mut att: AttemptRecord, admitted: Admitted) -> Attempt {
+        let name = admitted.channel.cfg.name.clone();
+        self.calls.lock().unwrap().push(name.clone());
+        let step = self
+            .steps
+            .lock()
+            .unwrap()
+            .get_mut(&name)
+            .and_then(VecDeque::pop_front)
+            .unwrap_or(Step::Answer);
+        match step {
+            Step::Fail { status, class, hint_ms } => {
+                let mut s = Signal::transport(class, format!("HTTP {status}"));
+                s.http_status = Some(status);
+                s.retry_after_ms = hint_ms;
+                crate::upstream::apply_signal(&mut att, &s);
+                att.finished_at = Some(clock::now());
+                Attempt::Failed { att, signal: s }
+            }
+            Step::Answer => {
+                att.http_status = Some(200);
+                att.error_class = ErrorClass::Success;
+                Attempt::Answer {
+                    status: StatusCode::OK,
+                    content_type: HeaderValue::from_static("application/json"),
+                    body: Bytes::from_static(b"{\"ok\":true}"),
+                    usage: Usage::default(),
+                    att,
+                }
+            }
+            Step::Hang => {
+                std::future::pending::<()>().await;
+                unreachable!()
+            }
+            Step::Panic => panic!("a scripted attempt panicked"),
+        }
+    }
+}
+
+fn parsed(model: &str) -> ParsedRequest {
+    ParsedRequest {
+        model: model.into(),
+        stream: false,
+        include_usage: false,
+        max_output_tokens: None,
+        estimated_input_tokens: 1,
+    }
+}
+
+/// A request for model `m`, admitted and ready for the loop.
+async fn request(st: &Arc<AppState>) -> (Life, Ctx, Admitted) {
+    let id = crate::trace::request_id();
+    let mut rec = RequestRecord::received(
+        id.clone(),
+        id.replace('-', ""),
+        Format::OpenAi,
+        "/v1/chat/completions",
+        clock::now(),
+    );
+    rec.requested_model = Some("m".into());
+    rec.owner = Some("team".into());
+    rec.route = Some("openai/m".into());
+    let mut life = Life::new(st.clone(), rec, None);
+    life.set_route();
+    let candidates = routing::candidates(st, Format::OpenAi, "m");
+    let admitted = routing::admit(&candidates, 1, &[], Duration::from_secs(10), life.wait_guard())
+        .await
+        .unwrap();
+    let ctx = Ctx {
+        format: Format::OpenAi,
+        uri: "/v1/chat/completions".parse().unwrap(),
+        headers: HeaderMap::new(),
+        body: Bytes::from_static(b"{}"),
+        parsed: parsed("m"),
+        trace: TraceContext::from_header(None, &id),
+        candidates,
+        tokens: 1,
+        deadline: Instant::now() + Duration::from_millis(st.config.total_deadline_ms),
+        capacity_wait_left: Duration::from_secs(10),
+        client_gone: Arc::new(AtomicBool::new(false)),
+    };
+    (life, ctx, admitted)
+}
+
+/// Runs one request through the loop and closes it: its response, how long it took on
+/// the paused clock, its id.
+async fn drive(st: &Arc<AppState>, caller: &Scripted) -> (http::Response<axum::body::Body>, Duration, String) {
+    let (mut life, mut ctx, admitted) = request(st).await;
+    let id = life.rec.id.clone();
+    let t0 = Instant::now();
+    let end = failover::run(&mut ctx, &mut life, caller, admitted).await;
+    let resp = life.close(end).await;
+    let took = t0.elapsed();
+    st.ledger.flush().await.unwrap();
+    (resp, took, id)
+}
+
+async fn rows(st: &Arc<AppState>, id: &str) -> (RequestRecord, Vec<AttemptRecord>) {
+    st.ledger.flush().await.unwrap();
+    (
+        st.ledger.get_request(id).await.unwrap().unwrap(),
+        st.ledger.attempts(id).await.unwrap(),
+    )
+}
+
+fn decisions(atts: &[AttemptRecord]) -> Vec<(String, ErrorClass, Option<Decision>, Option<u64>)> {
+    atts.iter()
+        .map(|a| (a.channel.clone(), a.error_class, a.decision, a.delay_ms))
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn d1_d2_failover_goes_to_an_untried_channel_at_once() {
+    // spec: D1, D2, F2
+    let (st, mem) = state_with(config("", &[("a", 4), ("b", 4)]));
+    let caller = Scripted::with(&[("a", fail(503, ErrorClass::Overload, None))]);
+    let (resp, took, id) = drive(&st, &caller).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-spillway-attempts"], "2");
+    assert_eq!(resp.headers()["x-spillway-channel"], "b");
+    assert_eq!(took, Duration::ZERO, "no back-off before a ready, untried channel");
+    assert_eq!(caller.calls(), ["a", "b"]);
+    let (rec, atts) = rows(&st, &id).await;
+    assert_eq!((rec.state, rec.attempts), (RequestState::Done, 2));
+    assert_eq!(
+        decisions(&atts),
+        [
+            ("a".into(), ErrorClass::Overload, Some(Decision::Failover), Some(0)),
+            ("b".into(), ErrorClass::Success, Some(Decision::Done), None),
+        ]
+    );
+    // I3: durable calling_api first (alone in its commit), then forward only.
+    let states = mem.states(&id);
+    assert_eq!(
+        (states.first(), states.last()),
+        (Some(&RequestState::CallingApi), Some(&RequestState::Done))
+    );
+    assert!(states.windows(2).all(|w| w[0].rank() <= w[1].rank()), "{states:?}");
+    // Both channel slots are back, and the figures closed.
+    assert!(st.channels.iter().all(|c| c.in_flight() == 0));
+    assert_eq!(st.metrics.in_flight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn f2_a_short_hint_retries_the_same_channel_after_exactly_the_hint() {
+    // spec: F2, D6, F1
+    let (st, _) = state_with(config("", &[("a", 4)]));
+    let caller = Scripted::with(&[("a", fail(429, ErrorClass::RateLimit, Some(1_500)))]);
+    let (resp, took, id) = drive(&st, &caller).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(took, Duration::from_millis(1_500));
+    let (_, atts) = rows(&st, &id).await;
+    assert_eq!(atts[0].decision, Some(Decision::Retry));
+    assert_eq!(atts[0].delay_ms, Some(1_500));
+    assert_eq!(atts[0].ready_at.unwrap().since(atts[0].finished_at.unwrap()), 1_500);
+}
+
+#[tokio::test(start_paused = true)]
+async fn f2_i5_a_long_hint_waits_with_a_durable_ready_at() {
+    // spec: F2, F1, I5
+    let (st, mem) = state_with(config("", &[("a", 4)]));
+    let caller = Scripted::with(&[("a", fail(503, ErrorClass::Overload, Some(5_000)))]);
+    let (resp, took, id) = drive(&st, &caller).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(took, Duration::from_secs(5));
+    let (rec, atts) = rows(&st, &id).await;
+    assert_eq!(atts[0].decision, Some(Decision::Wait));
+    assert_eq!(atts[0].decision_reason, None);
+    // The wait was on record, with its ready_at, before it started; the end clears it.
+    let waits: Vec<Option<UnixMs>> = mem
+        .writes
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|r| r.id == id)
+        .map(|r| r.next_ready_at)
+        .collect();
+    assert_eq!(waits[1], atts[0].ready_at);
+    assert_eq!(rec.next_ready_at, None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn d7_only_pacing_answers_429_any_provider_failure_502() {
+    // spec: D7, A8
+    for (faults, status) in [
+        (vec![fail(429, ErrorClass::RateLimit, None); 3], 429),
+        (
+            vec![
+                fail(529, ErrorClass::Overload, None),
+                fail(429, ErrorClass::RateLimit, None),
+                fail(429, ErrorClass::RateLimit, None),
+            ],
+            502,
+        ),
+        (vec![fail(503, ErrorClass::Overload, None); 3], 502),
+        (vec![fail(408, ErrorClass::Timeout, None); 3], 502),
+    ] {
+        let (st, _) = state_with(config("", &[("a", 4), ("b", 4), ("c", 4)]));
+        let script: Vec<(&str, Step)> = ["a", "b", "c"].into_iter().zip(faults).collect();
+        let caller = Scripted::with(&script);
+        let (resp, _, id) = drive(&st, &caller).await;
+        assert_eq!(resp.status().as_u16(), status, "{:?}", caller.calls());
+        assert!(resp.headers().contains_key("retry-after"));
+        let (rec, atts) = rows(&st, &id).await;
+        assert_eq!(rec.http_status, Some(status));
+        assert_eq!(atts.len(), 3);
+        assert_eq!(atts[2].decision_reason, Some(StopReason::AttemptBudgetExhausted));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_absurd_wait_hint_is_held_to_the_longest_believed() {
+    // spec: F2, D6
+    let (st, _) = state_with(config("upstream: {max_wait_hint_ms: 60000}", &[("a", 4)]));
+    let caller = Scripted::with(&[("a", fail(429, ErrorClass::RateLimit, Some(999_999_999_000)))]);
+    let (resp, took, id) = drive(&st, &caller).await;
+    // 60 s is past the 20 s deadline: fail closed at once, saying when to come back.
+    assert_eq!((resp.status().as_u16(), took), (429, Duration::ZERO));
+    assert_eq!(resp.headers()["retry-after"], "60");
+    let (_, atts) = rows(&st, &id).await;
+    assert_eq!(atts[0].retry_after_ms, Some(60_000));
+    assert_eq!(atts[0].decision_reason, Some(StopReason::RetryAfterExceedsDeadline));
+    let view = st.channels[0].health.view(Instant::now());
+    assert_eq!(
+        view.back_in_ms,
+        Some(60_000),
+        "the channel is paced for the clamped wait"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn c4_a_client_gone_while_waiting_to_retry_stops_the_request() {
+    // spec: C4
+    let (st, _) = state_with(config("", &[("a", 4)]));
+    let caller = Scripted::with(&[("a", fail(503, ErrorClass::Overload, Some(1_000)))]);
+    let (mut life, mut ctx, admitted) = request(&st).await;
+    let id = life.rec.id.clone();
+    let gone = ctx.client_gone.clone();
+    let end = {
+        let run = failover::run(&mut ctx, &mut life, &caller, admitted);
+        tokio::pin!(run);
+        // The client hangs up half-way through the wait.
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                gone.store(true, Ordering::Relaxed);
+                run.await
+            }
+            end = &mut run => end,
+        }
+    };
+    let _ = life.close(end).await;
+    assert_eq!(caller.calls(), ["a"], "nothing more went upstream");
+    let (rec, _) = rows(&st, &id).await;
+    assert_eq!(
+        (rec.state, rec.error_class),
+        (
+            RequestState::Failed,
+            Some(FailureClass::Gateway(GatewayClass::ClientDisconnected))
+        )
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_that_cuts_a_call_leaves_its_outcome_unknown() {
+    // spec: I4
+    let (st, _) = state_with(config("", &[("a", 4)]));
+    let caller = Scripted::with(&[("a", Step::Hang)]);
+    let (mut life, mut ctx, admitted) = request(&st).await;
+    let id = life.rec.id.clone();
+    let cancel = st.shutdown.cancel.clone();
+    let end = tokio::select! {
+        biased;
+        _ = cancel.cancelled() => End::Cancelled,
+        end = failover::run(&mut ctx, &mut life, &caller, admitted) => end,
+        _ = async { tokio::time::sleep(Duration::from_secs(1)).await; st.shutdown.cancel.cancel(); std::future::pending::<()>().await } => unreachable!(),
+    };
+    let resp = life.close(end).await;
+    assert_eq!(resp.status(), 503);
+    let (rec, atts) = rows(&st, &id).await;
+    assert_eq!(rec.state, RequestState::Unknown);
+    assert_eq!(rec.error_class, Some(FailureClass::Gateway(GatewayClass::Interrupted)));
+    assert_eq!(
+        (atts[0].decision, atts[0].decision_reason),
+        (Some(Decision::FailClosed), Some(StopReason::Interrupted))
+    );
+    assert_eq!(st.shutdown.open_requests(), 0);
+    assert!(st.channels[0].in_flight() == 0);
+}
+
+// --- the stream observer ---------------------------------------------------------------
+
+/// A scripted upstream stream: chunks pushed by the test.
+fn scripted_stream() -> (tokio::sync::mpsc::Sender<std::io::Result<Bytes>>, ByteStream) {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    (tx, Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+}
+
+fn chunk(content: &str) -> std::io::Result<Bytes> {
+    Ok(Bytes::from(format!(
+        "data: {{\"choices\":[{{\"delta\":{{\"content\":\"{content}\"}}}}]}}\n\n"
+    )))
+}
+
+/// A primed stream over a scripted upstream, already holding its first token, and the
+/// response body that passes it on.
+async fn primed_stream(st: &Arc<AppState>) -> (tokio::sync::mpsc::Sender<std::io::Result<Bytes>>, StreamBody, String) {
+    let (mut life, _ctx, admitted) = request(st).await;
+    life.calling_api("a", None).await.unwrap();
+    let att = life.begin_attempt("a");
+    life.attempt_returned();
+    let id = life.rec.id.clone();
+    let (tx, inner) = scripted_stream();
+    let mut p = Primed::new(
+        inner,
+        Format::OpenAi,
+        att,
+        Some(admitted.permit),
+        Duration::from_secs(5),
+        HeaderValue::from_static("text/event-stream"),
+    );
+    tx.send(chunk("")).await.unwrap();
+    tx.send(chunk("Hi")).await.unwrap();
+    let t0 = Instant::now();
+    assert!(
+        p.prime(Instant::now() + Duration::from_secs(8), Duration::from_secs(8), 1 << 20)
+            .await
+            .is_none()
+    );
+    assert_eq!(t0.elapsed(), Duration::ZERO);
+    (tx, StreamBody::new(p, life), id)
+}
+
+#[tokio::test(start_paused = true)]
+async fn h2_a_stream_that_goes_quiet_after_output_ends_with_an_error_event() {
+    // spec: H2, H4
+    let (st, _) = state_with(config("", &[("a", 4)]));
+    let (tx, mut body, id) = primed_stream(&st).await;
+    assert_eq!(st.channels[0].in_flight(), 1);
+    // The held prefix comes first, then what arrives.
+    assert!(body.next().await.unwrap().unwrap().starts_with(b"data: "));
+    assert!(body.next().await.unwrap().unwrap().ends_with(b"\n\n"));
+    tx.send(chunk(" there")).await.unwrap();
+    assert!(String::from_utf8_lossy(&body.next().await.unwrap().unwrap()).contains("there"));
+    // Then nothing for the idle timeout (5 s): an error event naming the request.
+    let t0 = Instant::now();
+    let ev = body.next().await.unwrap().unwrap();
+    assert_eq!(t0.elapsed(), Duration::from_secs(5));
+    let ev = String::from_utf8_lossy(&ev).into_owned();
+    assert!(ev.contains("\"error\"") && ev.contains(&id), "{ev}");
+    assert!(body.next().await.is_none());
+    assert_eq!(st.channels[0].in_flight(), 0, "the channel slot came back");
+    let (rec, atts) = rows(&st, &id).await;
+    assert_eq!((rec.state, rec.partial_output_committed), (RequestState::Failed, true));
+    assert_eq!(rec.error_class, Some(FailureClass::Upstream(ErrorClass::Timeout)));
+    assert_eq!(atts[0].decision_reason, Some(StopReason::PartialOutputCommitted));
+}
+
+#[tokio::test(start_paused = true)]
+async fn b1_a_client_that_goes_away_mid_stream_frees_its_slots() {
+    // spec: B1, C1
+    let (st, _) = state_with(config("", &[("a", 4)]));
+    let key = st.keys.values().next().unwrap().clone();
+    let (_tx, mut body, id) = primed_stream(&st).await;
+    assert!(body.next().await.is_some());
+    drop(body);
+    assert_eq!(st.channels[0].in_flight(), 0);
+    let (rec, _) = rows(&st, &id).await;
+    assert_eq!(
+        rec.error_class,
+        Some(FailureClass::Gateway(GatewayClass::ClientDisconnected))
+    );
+    assert_eq!(st.shutdown.open_requests(), 0);
+    // The key's one concurrency slot is free again (the test request never took it, so
+    // take it twice: the second only succeeds if nothing else holds it).
+    let slot = key.limits.acquire(Duration::ZERO).await.unwrap();
+    drop(slot);
+    assert!(key.limits.acquire(Duration::ZERO).await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_mid_stream_ends_it_and_leaves_the_outcome_unknown() {
+    // spec: H2, I4
+    let (st, _) = state_with(config("", &[("a", 4)]));
+    let (_tx, mut body, id) = primed_stream(&st).await;
+    assert!(body.next().await.is_some());
+    assert!(body.next().await.is_some());
+    st.shutdown.cancel.cancel();
+    let ev = String::from_utf8_lossy(&body.next().await.unwrap().unwrap()).into_owned();
+    assert!(ev.contains("shutting down"), "{ev}");
+    assert!(body.next().await.is_none());
+    let (rec, _) = rows(&st, &id).await;
+    assert_eq!((rec.state, rec.partial_output_committed), (RequestState::Unknown, true));
+}
+
+#[tokio::test(start_paused = true)]
+async fn h2_priming_holds_no_more_than_its_cap_and_no_longer_than_the_attempt() {
+    // spec: H2, H4
+    let att = AttemptRecord::started("r", 1, "a", UnixMs(0));
+    let (tx, inner) = scripted_stream();
+    let mut p = Primed::new(
+        inner,
+        Format::OpenAi,
+        att.clone(),
+        None,
+        Duration::from_secs(5),
+        HeaderValue::from_static("x"),
+    );
+    // Role chunks without content, over and over: never visible output.
+    for _ in 0..40 {
+        tx.send(chunk("")).await.unwrap();
+    }
+    let s = p
+        .prime(Instant::now() + Duration::from_secs(8), Duration::from_secs(8), 1024)
+        .await
+        .unwrap();
+    assert_eq!(s.class, ErrorClass::MalformedResponse);
+    let (_tx, inner) = scripted_stream();
+    let mut p = Primed::new(
+        inner,
+        Format::OpenAi,
+        att,
+        None,
+        Duration::from_secs(5),
+        HeaderValue::from_static("x"),
+    );
+    let t0 = Instant::now();
+    let s = p
+        .prime(t0 + Duration::from_secs(8), Duration::from_secs(8), 1024)
+        .await
+        .unwrap();
+    assert_eq!((s.class, t0.elapsed()), (ErrorClass::Timeout, Duration::from_secs(8)));
+    assert_eq!(s.message.as_deref(), Some("no visible output within 8000 ms"));
+}
+
+// --- the whole server on loopback ------------------------------------------------------
+
+/// A gateway on an OS-chosen loopback port with `caller` as its upstream.
+async fn serve(cfg: Config, ledger: Ledger, caller: Scripted) -> crate::Running {
+    crate::start_with(
+        cfg,
+        crate::Options {
+            ledger: Some(ledger),
+            listen: Some(([127, 0, 0, 1], 0).into()),
+            ..crate::Options::default()
+        },
+        Arc::new(caller),
+    )
+    .await
+    .unwrap()
+}
+
+fn chat(url: &str, model: &str) -> reqwest::RequestBuilder {
+    reqwest::Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth(KEY)
+        .json(&serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}))
+}
+
+#[tokio::test]
+async fn a_panic_is_answered_500_recorded_and_the_server_goes_on() {
+    let mem = Arc::new(Memory::default());
+    let caller = Scripted::with(&[("a", Step::Panic)]);
+    let gw = serve(config("", &[("a", 4)]), Ledger::start(mem.clone()), caller).await;
+    let url = format!("http://{}", gw.addr);
+    // In the attempt task (an upstream call in flight: its outcome is unknown).
+    let r = chat(&url, "m").send().await.unwrap();
+    assert_eq!(r.status(), 500);
+    let id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "api_error", "in the caller's format");
+    gw.state.ledger.flush().await.unwrap();
+    let rec = gw.state.ledger.get_request(&id).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state, rec.error_class),
+        (
+            RequestState::Unknown,
+            Some(FailureClass::Gateway(GatewayClass::InternalError))
+        )
+    );
+    // In the handler itself.
+    let r = chat(&url, "spillway-test-panic-in-handler").send().await.unwrap();
+    assert_eq!(r.status(), 500);
+    let id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    gw.state.ledger.flush().await.unwrap();
+    let rec = gw.state.ledger.get_request(&id).await.unwrap().unwrap();
+    assert_eq!(
+        rec.error_class,
+        Some(FailureClass::Gateway(GatewayClass::InternalError))
+    );
+    // The server goes on, the key's slot (max 1) and the figures were given back.
+    assert_eq!(chat(&url, "m").send().await.unwrap().status(), 200);
+    assert_eq!(gw.state.metrics.in_flight(), 0);
+    assert_eq!(gw.state.shutdown.open_requests(), 0);
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_ledger_that_refuses_writes_gives_503_an_alert_and_keeps_the_records() {
+    let mem = Arc::new(Memory::default());
+    let gw = serve(config("", &[("a", 4)]), Ledger::start(mem.clone()), Scripted::default()).await;
+    let url = format!("http://{}", gw.addr);
+    let mut alerts = gw.state.alerts.subscribe();
+    mem.refuse.store(true, Ordering::SeqCst);
+    // The first request meets the refusal at its durable write: not sent upstream.
+    let r = chat(&url, "m").send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    let refused = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let a = tokio::time::timeout(Duration::from_secs(5), alerts.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(a.severity, Severity::Critical);
+    assert!(a.body.contains("disk is full"), "{}", a.body);
+    // While it refuses, new requests are answered 503 at once.
+    assert_eq!(chat(&url, "m").send().await.unwrap().status(), 503);
+    assert!(!gw.state.ledger.health().ok);
+    // It recovers: what waited is written, and requests are admitted again.
+    mem.refuse.store(false, Ordering::SeqCst);
+    let a = tokio::time::timeout(Duration::from_secs(5), alerts.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(a.severity, Severity::Resolved);
+    gw.state.ledger.flush().await.unwrap();
+    let rec = gw.state.ledger.get_request(&refused).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state, rec.error_class),
+        (
+            RequestState::Failed,
+            Some(FailureClass::Gateway(GatewayClass::LedgerUnavailable))
+        )
+    );
+    assert_eq!(chat(&url, "m").send().await.unwrap().status(), 200);
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_drains_then_cuts_and_records_what_is_left() {
+    let mem = Arc::new(Memory::default());
+    let caller = Scripted::with(&[("a", Step::Hang)]);
+    let gw = serve(
+        config("server: {drain_timeout_ms: 300}", &[("a", 4)]),
+        Ledger::start(mem.clone()),
+        caller,
+    )
+    .await;
+    let url = format!("http://{}", gw.addr);
+    let hung = tokio::spawn(chat(&url, "m").send());
+    // The request is in its upstream call once its durable `calling_api` is written.
+    let t = std::time::Instant::now();
+    while !mem
+        .writes
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|r| r.state == RequestState::CallingApi)
+    {
+        assert!(t.elapsed() < Duration::from_secs(5), "the request never started");
+        tokio::task::yield_now().await;
+    }
+    let id = mem.writes.lock().unwrap()[0].id.clone();
+    let t = std::time::Instant::now();
+    gw.shutdown().await.unwrap();
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    let r = hung.await.unwrap().unwrap();
+    assert_eq!(r.status(), 503);
+    let rec = mem
+        .writes
+        .lock()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|r| r.id == id)
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        rec.state,
+        RequestState::Unknown,
+        "an upstream call cut mid-flight is unknown"
+    );
+    // New connections are refused once it has stopped.
+    assert!(reqwest::get(format!("{url}/healthz")).await.is_err());
+}
