@@ -8,6 +8,18 @@ import { tmpdir } from 'node:os'
 import { dirname, join, resolve } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { chromium } from 'playwright-core'
+import { createRequire } from 'node:module'
+
+const axeSource = readFileSync(createRequire(import.meta.url).resolve('axe-core/axe.min.js'), 'utf8')
+
+/** axe-core on the page as it stands: no serious or critical violation. */
+async function accessible(p, what) {
+  // Through the debugging protocol: the console's CSP (rightly) refuses injected scripts.
+  await p.evaluate(`${axeSource};0`)
+  const result = await p.evaluate(async () => await globalThis.axe.run(globalThis.document, { resultTypes: ['violations'] }))
+  const bad = result.violations.filter((v) => v.impact === 'serious' || v.impact === 'critical')
+  assert.deepEqual(bad.map((v) => `${v.id}: ${v.nodes.map((n) => n.target.join(' ')).join(', ')}`), [], `${what} has accessibility violations`)
+}
 
 const here = dirname(fileURLToPath(import.meta.url))
 const root = resolve(here, '..', '..')
@@ -113,6 +125,25 @@ test('the overview shows live numbers that change', async () => {
   assert.match(channels, /openai-sim/)
   await p.waitForTimeout(1500)
   await p.screenshot({ path: join(SHOTS, 'overview-browser.png') })
+  await accessible(p, 'the overview')
+  await p.context().close()
+})
+
+test('requests without a valid key are listed as refusals, not ledger rows', async () => {
+  // A wrong key and a foreign Host name: counted and shown, never written row by row.
+  const r = await fetch(`${url}/v1/messages`, {
+    method: 'POST',
+    headers: { 'x-api-key': 'sk-not-a-key-0000000000', 'content-type': 'application/json' },
+    body: JSON.stringify({ model: 'claude-haiku-4-5', max_tokens: 8, messages: [{ role: 'user', content: 'hi' }] }),
+  })
+  assert.equal(r.status, 401)
+  const p = await page()
+  await p.goto(`${url}/#token=${adminToken}`)
+  await p.getByTestId('tile-rps').waitFor()
+  const table = p.getByTestId('rejections')
+  await until('the refusal in the list', async () => /unknown key/.test((await table.textContent().catch(() => '')) ?? ''))
+  assert.match(await table.textContent(), /anthropic/)
+  assert.notEqual(await p.getByTestId('tile-rejected').textContent(), '0')
   await p.context().close()
 })
 
@@ -144,6 +175,7 @@ test('the ledger search finds a request this test made', async () => {
   await p.getByTestId('search').press('Enter')
   await p.waitForTimeout(500)
   await p.screenshot({ path: join(SHOTS, 'ledger-browser.png') })
+  await accessible(p, 'the ledger')
   await p.context().close()
 })
 

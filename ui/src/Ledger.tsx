@@ -3,7 +3,7 @@ import { useEffect, useMemo, useRef, useState } from 'react'
 import { getRequest, searchRequests, type Connection } from './api'
 import type { RequestState } from './bindings/RequestState'
 import type { Search } from './bindings/Search'
-import { count, decision, ms, since, time } from './format'
+import { count, decision, failureClass, ms, since, statePill, time } from './format'
 
 const STATES: RequestState[] = ['received', 'calling_api', 'api_completed', 'side_effect_pending', 'done', 'failed', 'unknown']
 
@@ -81,7 +81,7 @@ export function LedgerView({ conn }: { conn: Connection }) {
                   <tr key={r.id} aria-selected={r.id === selected} onClick={() => setSelected(r.id)} tabIndex={0}
                     onKeyDown={(e) => e.key === 'Enter' && setSelected(r.id)}>
                     <td>{time(r.received_at)}</td><td className="mono">{r.id}</td><td>{r.route ?? '—'}</td>
-                    <td><span className={`pill ${r.state === 'done' ? 'ok' : r.state === 'failed' || r.state === 'unknown' ? 'bad' : 'warn'}`}>{r.state}</span></td>
+                    <td><span className={statePill(r.state)}>{r.state}</span></td>
                     <td className="num">{r.http_status ?? '—'}</td><td className="num">{r.attempts}</td>
                     <td className="num">{since(r.received_at, r.finished_at)}</td>
                   </tr>
@@ -119,7 +119,7 @@ function Detail({ conn, id, onClose }: { conn: Connection; id: string; onClose: 
     ['Route', r.route ?? '—'], ['Channel', r.channel ?? '—'],
     ['Model', r.requested_model === r.served_model || !r.served_model ? (r.requested_model ?? '—') : `${r.requested_model} → served by ${r.served_model}`],
     ['State', r.state + (r.partial_output_committed ? ' (partial output committed)' : '')],
-    ['Status', r.http_status ? String(r.http_status) : '—'], ['Error', r.error_class ? `${r.error_class}: ${r.error_message ?? ''}` : '—'],
+    ['Status', r.http_status ? String(r.http_status) : '—'], ['Error', r.error_class ? `${failureClass(r.error_class)}: ${r.error_message ?? ''}` : '—'],
     ['Tokens in / out', `${r.input_tokens ?? '—'} / ${r.output_tokens ?? '—'}${r.cached_input_tokens ? ` (${r.cached_input_tokens} cached)` : ''}`],
     ['Cost', r.cost_usd === null ? 'unknown' : `$${r.cost_usd.toFixed(4)}`],
     ['Received', time(r.received_at)], ['Queued', r.queued_ms === null ? 'no wait' : ms(r.queued_ms)],
@@ -138,9 +138,10 @@ function Detail({ conn, id, onClose }: { conn: Connection; id: string; onClose: 
         <ol className="attempts">
           {attempts.map((a) => (
             <li key={a.attempt_no}>
-              <strong>#{a.attempt_no}</strong> on <code>{a.channel}</code>: {a.error_class}
+              <strong>#{a.attempt_no}</strong> on <code>{a.channel}</code>: {failureClass(a.error_class)}
               {a.http_status ? ` (HTTP ${a.http_status})` : ''}{a.provider_error_type ? `, ${a.provider_error_type}` : ''}
               {a.retry_after_ms !== null ? `, wait hint ${ms(a.retry_after_ms)}` : ''}
+              {a.visibility === 'after_partial_output' ? ', after output reached the client' : ''}
               {a.decision && <div data-testid="decision">→ {decision(a.decision, a.decision_reason, a.delay_ms)}</div>}
               <div className="muted">first byte {since(a.started_at, a.first_byte_at)}, total {since(a.started_at, a.finished_at)}
                 {a.message ? ` — ${a.message}` : ''}</div>

@@ -2,7 +2,7 @@ import { useMemo, useState } from 'react'
 import { restoreChannel, type Connection } from './api'
 import type { ChannelView } from './bindings/ChannelView'
 import { Chart } from './Chart'
-import { count, errorMix, ms, pct, rate, usd } from './format'
+import { count, errorMix, ms, pct, rate, rejectReason, rotationPill, severityClass, time, usd } from './format'
 import { useLive } from './useLive'
 
 export function OverviewView({ conn }: { conn: Connection }) {
@@ -10,7 +10,7 @@ export function OverviewView({ conn }: { conn: Connection }) {
 
   const charts = useMemo(() => {
     const s = overview?.series ?? []
-    const t = s.map((p) => p.t)
+    const t = s.map((p) => p.at / 1000)
     return {
       traffic: [t, s.map((p) => p.requests), s.map((p) => p.errors)],
       latency: [t, s.map((p) => p.p50_ms), s.map((p) => p.p95_ms)],
@@ -34,11 +34,19 @@ export function OverviewView({ conn }: { conn: Connection }) {
         {error && !connected && <span className="error">{error}</span>}
         {idle && <span className="muted">No traffic yet: point an SDK at this gateway and requests show up here.</span>}
       </div>
+      {!overview.ledger.ok && (
+        <p role="alert" className="banner error" data-testid="ledger-failing">
+          <strong>The ledger is refusing writes</strong>
+          {overview.ledger.failing_since !== null && <> since {time(overview.ledger.failing_since)}</>}
+          {overview.ledger.error && <>: {overview.ledger.error}</>}. New requests are answered 503 until it takes
+          writes again; {count(overview.ledger.waiting)} finished records are waiting to be written.
+        </p>
+      )}
       {alerts.length > 0 && (
         <ul className="alerts" data-testid="alerts" aria-live="polite">
           {alerts.map((a) => (
-            <li key={`${a.at_ms}-${a.title}`} className={a.severity === 'critical' ? 'error' : ''}>
-              <strong>{a.title}</strong> — {a.body} <span className="muted">{new Date(a.at_ms).toLocaleTimeString()}</span>
+            <li key={`${a.at}-${a.title}`} className={severityClass(a.severity)}>
+              <strong>{a.title}</strong> — {a.body} <span className="muted">{new Date(a.at).toLocaleTimeString()}</span>
             </li>
           ))}
         </ul>
@@ -49,6 +57,7 @@ export function OverviewView({ conn }: { conn: Connection }) {
         <Tile label="Latency p50" value={ms(h.p50_ms)} hint="Median time from receipt to the end of the answer, last 10 s" testid="tile-p50" />
         <Tile label="Latency p95" value={ms(h.p95_ms)} hint="95th percentile, last 10 s" testid="tile-p95" />
         <Tile label="In flight" value={count(h.in_flight)} hint="Requests admitted to a channel and not finished" testid="tile-inflight" />
+        <Tile label="Refused, no key" value={count(h.rejected_last_minute)} hint="Requests refused before they had a valid key (or that named a foreign Host), last 60 s; counted, not written to the ledger" testid="tile-rejected" />
       </div>
       <div className="charts">
         <Chart title="Traffic, last 15 min" data={charts.traffic} series={[{ label: 'requests', color: '#3b82f6', unit: '/s' }, { label: 'errors', color: '#ef4444', unit: '/s' }]} />
@@ -99,6 +108,20 @@ export function OverviewView({ conn }: { conn: Connection }) {
           {overview.channels.map((c) => <ChannelRow key={c.name} c={c} conn={conn} />)}
         </tbody>
       </table>
+      <h2>Refused before a key</h2>
+      {overview.rejections.length === 0 ? (
+        <p className="muted" data-testid="rejections-empty">None: every request so far came with a valid key.</p>
+      ) : (
+        <table className="grid" data-testid="rejections">
+          <caption className="muted small">The latest {overview.rejections.length}, newest first. These are counted, not written to the ledger one by one.</caption>
+          <thead><tr><th>When</th><th>Why</th><th>Format</th><th>From</th></tr></thead>
+          <tbody>
+            {overview.rejections.map((r, i) => (
+              <tr key={`${r.at}-${i}`}><td>{time(r.at)}</td><td>{rejectReason(r.reason)}</td><td>{r.format}</td><td>{r.peer ?? '—'}</td></tr>
+            ))}
+          </tbody>
+        </table>
+      )}
     </section>
   )
 }
@@ -107,7 +130,7 @@ function ChannelRow({ c, conn }: { c: ChannelView; conn: Connection }) {
   const [busy, setBusy] = useState(false)
   const [err, setErr] = useState<string | null>(null)
   const h = c.health
-  const pill = h.state === 'ready' ? 'pill ok' : h.state === 'paced' ? 'pill warn' : 'pill bad'
+  const pill = rotationPill(h.state)
   const full = c.in_flight >= c.max_concurrency
   const room = [
     h.remaining_requests !== null ? `${count(h.remaining_requests)} req` : null,

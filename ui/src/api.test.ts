@@ -18,15 +18,15 @@ afterEach(() => vi.unstubAllGlobals())
 describe('admin event stream', () => {
   it('parses frames split anywhere, with CRLF, and sends the token', async () => {
     const fetchMock = vi.fn(async () => new Response(streamOf([
-      'event: overview\r\ndata: {"now_ms":1,',
-      '"series":[]}\r\n\r\n: keep-alive\n\nevent: tick\ndata: {"now_ms":2}\n',
+      'event: overview\r\ndata: {"now":1,',
+      '"series":[]}\r\n\r\n: keep-alive\n\nevent: tick\ndata: {"now":2}\n',
       '\nevent: alert\ndata: {"title":"Channel x rejected its provider credential"}\n\n',
     ]), { status: 200 }))
     vi.stubGlobal('fetch', fetchMock)
     const got: LiveEvent[] = []
     await streamEvents(conn, (e) => got.push(e), new AbortController().signal)
     expect(got.map((e) => e.kind)).toEqual(['overview', 'tick', 'alert'])
-    expect((got[1].data as { now_ms: number }).now_ms).toBe(2)
+    expect((got[1].data as { now: number }).now).toBe(2)
     const init = fetchMock.mock.calls[0] as unknown as [string, RequestInit]
     expect((init[1].headers as Record<string, string>).Authorization).toBe('Bearer swa_test')
   })

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest'
-import { count, decision, errorMix, ms, pct, rate, usd } from './format'
+import { count, decision, errorMix, failureClass, ms, pct, rate, rotationPill, usd } from './format'
 
 describe('units', () => {
   it('formats latency with units', () => {
@@ -37,9 +37,17 @@ describe('failover words', () => {
     expect(decision('failover', null, 0)).toBe('failed over to another channel')
     expect(decision('retry', null, 0)).toBe('retried at once')
     expect(decision('retry', null, 850)).toBe('retried after 850 ms')
-    expect(decision('wait', 'wait_hint_over_2s', 3000)).toBe('queued for 3.00 s (wait hint over 2 s), then retried')
-    expect(decision('fail_closed', 'retry_after_exceeds_deadline', null)).toBe('stopped (retry after exceeds deadline)')
+    expect(decision('wait', null, 3000)).toBe('queued for 3.00 s (wait hint over 2 s), then retried')
+    expect(decision('fail_closed', 'retry_after_exceeds_deadline', null)).toBe("stopped (the provider's wait is past the deadline)")
+    expect(decision('fail_closed', 'interrupted', null)).toBe('stopped (the gateway stopped during the call)')
     expect(decision('passed_through', 'not_retryable', null)).toBe("provider's answer returned as sent (not retryable)")
     expect(decision(null, null, null)).toBe('')
+  })
+  it('names every class, upstream or the gateway\'s own', () => {
+    expect(failureClass('overload')).toBe('overload')
+    expect(failureClass('client_stalled')).toBe('client stopped reading')
+    expect(failureClass('interrupted')).toBe('cut by a stop (outcome unknown)')
+    expect(failureClass(null)).toBe('—')
+    expect(rotationPill('ejected')).toBe('pill bad')
   })
 })

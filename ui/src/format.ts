@@ -1,3 +1,13 @@
+import type { Decision } from './bindings/Decision'
+import type { ErrorClass } from './bindings/ErrorClass'
+import type { FailureClass } from './bindings/FailureClass'
+import type { GatewayClass } from './bindings/GatewayClass'
+import type { RejectReason } from './bindings/RejectReason'
+import type { RequestState } from './bindings/RequestState'
+import type { RotationState } from './bindings/RotationState'
+import type { Severity } from './bindings/Severity'
+import type { StopReason } from './bindings/StopReason'
+
 // Numbers with units, the way an operator reads them at 3 a.m.
 
 export function ms(v: number | null | undefined): string {
@@ -45,21 +55,72 @@ export function since(from: number | null | undefined, to: number | null | undef
   return ms(to - from)
 }
 
-/** Failed attempts by class, biggest first, as `server_error 3 · rate_limit 1`. */
-export function errorMix(byClass: { [key in string]?: number }): string {
-  const parts = Object.entries(byClass)
-    .filter((e): e is [string, number] => typeof e[1] === 'number' && e[1] > 0)
+/** Every class a request or an attempt can end with, in words (exhaustive: a new class
+ * in the Rust enum fails the type check here until it has its words). */
+const ERROR_CLASS: Record<ErrorClass, string> = {
+  success: 'success',
+  rate_limit: 'rate limit',
+  quota: 'quota',
+  overload: 'overload',
+  server_error: 'server error',
+  transient: 'transient',
+  timeout: 'timeout',
+  unreachable: 'unreachable',
+  auth: 'credential refused',
+  invalid_request: 'invalid request',
+  stream_interrupted: 'stream interrupted',
+  malformed_response: 'malformed response',
+  unknown: 'unknown outcome',
+}
+
+const GATEWAY_CLASS: Record<GatewayClass, string> = {
+  client_auth: 'no valid key',
+  invalid_body: 'invalid body',
+  unsupported_media_type: 'not JSON',
+  payload_too_large: 'body too large',
+  body_timeout: 'body too slow',
+  no_channel: 'no channel for the model',
+  capacity_busy: 'capacity busy',
+  capacity_queue_full: 'capacity queue full',
+  key_limited: 'key limit',
+  no_channel_in_rotation: 'no channel in rotation',
+  ledger_unavailable: 'ledger unavailable',
+  client_disconnected: 'client disconnected',
+  client_stalled: 'client stopped reading',
+  shutdown: 'gateway shutting down',
+  interrupted: 'cut by a stop (outcome unknown)',
+  internal_error: 'gateway bug (panic)',
+}
+
+export function failureClass(c: FailureClass | null): string {
+  if (c === null) return '—'
+  return c in ERROR_CLASS ? ERROR_CLASS[c as ErrorClass] : GATEWAY_CLASS[c as GatewayClass]
+}
+
+/** Failed attempts by class, biggest first, as `server error 3 · rate limit 1`. */
+export function errorMix(byClass: { [key in ErrorClass]?: number }): string {
+  const parts = (Object.entries(byClass) as [ErrorClass, number | undefined][])
+    .filter((e): e is [ErrorClass, number] => typeof e[1] === 'number' && e[1] > 0)
     .sort((a, b) => b[1] - a[1] || a[0].localeCompare(b[0]))
   if (parts.length === 0) return 'none'
-  return parts.map(([k, v]) => `${k.replace(/_/g, ' ')} ${count(v)}`).join(' · ')
+  return parts.map(([k, v]) => `${ERROR_CLASS[k]} ${count(v)}`).join(' · ')
+}
+
+const STOP: Record<StopReason, string> = {
+  partial_output_committed: 'output already reached the client',
+  attempt_budget_exhausted: 'attempt budget exhausted',
+  retry_after_exceeds_deadline: "the provider's wait is past the deadline",
+  not_retryable: 'not retryable',
+  no_channel_left: 'no channel left',
+  client_gone: 'the client went away',
+  interrupted: 'the gateway stopped during the call',
 }
 
 /** What happened after an attempt, in words (F2 decisions). */
-export function decision(d: string | null, reason: string | null, delayMs: number | null): string {
-  const why = reason ? ` (${reason.replace(/_/g, ' ')})` : ''
+export function decision(d: Decision | null, reason: StopReason | null, delayMs: number | null): string {
+  const why = reason ? ` (${STOP[reason]})` : ''
+  if (d === null) return ''
   switch (d) {
-    case null:
-      return ''
     case 'done':
       return 'answered'
     case 'failover':
@@ -72,7 +133,54 @@ export function decision(d: string | null, reason: string | null, delayMs: numbe
       return `stopped${why}`
     case 'passed_through':
       return `provider's answer returned as sent${why}`
-    default:
-      return d + why
   }
+}
+
+/** The pill colour of a channel's rotation. */
+export function rotationPill(s: RotationState): string {
+  switch (s) {
+    case 'ready':
+      return 'pill ok'
+    case 'paced':
+      return 'pill warn'
+    case 'ejected':
+      return 'pill bad'
+  }
+}
+
+/** The pill colour of a request's state. */
+export function statePill(s: RequestState): string {
+  switch (s) {
+    case 'done':
+      return 'pill ok'
+    case 'failed':
+    case 'unknown':
+      return 'pill bad'
+    case 'received':
+    case 'calling_api':
+    case 'api_completed':
+    case 'side_effect_pending':
+      return 'pill warn'
+  }
+}
+
+export function severityClass(s: Severity): string {
+  switch (s) {
+    case 'critical':
+      return 'error'
+    case 'warning':
+      return 'warn-text'
+    case 'resolved':
+      return 'ok-text'
+  }
+}
+
+const REJECT: Record<RejectReason, string> = {
+  missing_key: 'no key',
+  invalid_key: 'unknown key',
+  forbidden_host: 'foreign Host name',
+}
+
+export function rejectReason(r: RejectReason): string {
+  return REJECT[r]
 }

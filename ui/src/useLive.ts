@@ -24,13 +24,22 @@ export function useLive(conn: Connection): LiveState {
                 if (e.kind === 'overview') return { ...prev, overview: e.data, error: null, connected: true }
                 if (!prev.overview) return prev
                 const t = e.data
-                const series = prev.overview.series.filter((p) => p.t !== t.point.t && p.t > t.point.t - 900)
+                const series = prev.overview.series.filter((p) => p.at !== t.point.at && p.at > t.point.at - 900_000)
                 series.push(t.point)
                 return {
                   ...prev,
                   connected: true,
                   error: null,
-                  overview: { ...prev.overview, now_ms: t.now_ms, headline: t.headline, routes: t.routes, channels: t.channels, series },
+                  overview: {
+                    ...prev.overview,
+                    now: t.now,
+                    headline: t.headline,
+                    routes: t.routes,
+                    channels: t.channels,
+                    rejections: t.rejections,
+                    ledger: t.ledger,
+                    series,
+                  },
                 }
               })
             },
