@@ -7,7 +7,7 @@ VENV := .venv
 CARGO ?= cargo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test bench deps deps-system deps-browser deps-desktop deps-rust deps-python deps-ui ui build build-release build-desktop lint fmt clean
+.PHONY: run test bench package deps deps-system deps-browser deps-desktop deps-rust deps-python deps-ui ui build build-release build-desktop lint fmt clean
 
 deps-system:
 	@missing=""; \
@@ -44,7 +44,8 @@ deps-ui: deps-system
 		cd ui && npm ci --no-audit --no-fund; \
 	fi
 
-## The console (React + Vite) into ui/dist, which `spillway serve` serves at /.
+## The console (React + Vite) into ui/dist, which the `spillway` binary compiles in: build
+## it before any cargo step.
 ui: deps-ui
 	cd ui && npm run build
 
@@ -70,25 +71,37 @@ build-desktop: deps-desktop ui
 
 deps: deps-system deps-rust deps-python deps-ui
 
-build: deps-system deps-rust
+build: deps-system deps-rust ui
 	$(CARGO) build -p spillway-cli
 
-build-release: deps-system deps-rust
+build-release: deps-system deps-rust ui
 	$(CARGO) build --release -p spillway-cli
 
-## The console on the embedded default: SQLite ledger in the data directory, simulated
-## providers (real ones for any OPENAI_API_KEY / ANTHROPIC_API_KEY / GEMINI_API_KEY set),
-## demo traffic so there is something to watch. Prints the console's address with its
-## admin token; open it in a browser. Ctrl-C stops it.
+## The console on the embedded default (policies/demo.yaml): SQLite ledger in the data
+## directory, simulated providers (real ones for any OPENAI_API_KEY / ANTHROPIC_API_KEY /
+## GEMINI_API_KEY set), demo traffic so there is something to watch. Prints the console's
+## address with its admin token; open it in a browser. Ctrl-C stops it (a second Ctrl-C
+## stops it at once).
 run: ui
 	@if [ -n "$$DISPLAY$$WAYLAND_DISPLAY" ]; then \
 		$(MAKE) --no-print-directory deps-desktop && $(CARGO) build --release -p spillway-desktop \
-		&& SPILLWAY_UI_DIR=$(CURDIR)/ui/dist ./target/release/spillway-desktop; \
+		&& SPILLWAY_CONFIG=$(CURDIR)/policies/demo.yaml ./target/release/spillway-desktop; \
 	else \
 		echo "==> no display: starting the gateway headless; open the console link below in a browser"; \
 		$(MAKE) --no-print-directory build-release \
-		&& ./target/release/spillway serve --demo-traffic --show-admin-token --ui-dir ui/dist; \
+		&& ./target/release/spillway serve --config policies/demo.yaml --demo-traffic --show-admin-token; \
 	fi
+
+## The desktop installers (.deb and AppImage) with Tauri's bundler, into
+## target/release/bundle/. The AppImage step fetches linuxdeploy from GitHub on its first
+## run; where that is unreachable only the .deb is built (and the step says so).
+package: deps-desktop ui
+	@command -v cargo-tauri >/dev/null || [ -x $$HOME/.cargo/bin/cargo-tauri ] || { \
+		echo "==> installing tauri-cli"; $(CARGO) install tauri-cli --version "^2" --locked; }
+	cd src-tauri && $(CARGO) tauri build --bundles deb
+	@cd src-tauri && if $(CARGO) tauri build --bundles appimage; then :; else \
+		echo "==> the AppImage could not be built here (its tools come from GitHub); the .deb is in target/release/bundle/deb/"; fi
+	@ls -1 target/release/bundle/*/* 2>/dev/null
 
 lint: deps-rust deps-ui deps-desktop
 	$(CARGO) fmt --all --check
@@ -103,7 +116,7 @@ fmt:
 ## end-to-end tests (real gateway, Debian's Chromium; screenshots into docs/screenshots),
 ## then the black-box suite (real binary, real simulator process, real SQLite file,
 ## official SDKs).
-test: deps deps-browser build ui build-desktop lint
+test: deps deps-browser ui build build-desktop lint
 	$(CARGO) test --workspace --exclude spillway-desktop
 	cd ui && npm test
 	cd ui && SPILLWAY_BIN=$(CURDIR)/target/debug/spillway npm run e2e

@@ -1,5 +1,5 @@
-//! The desktop shell: starts the engine in-process (the same config rules as
-//! `spillway serve`), opens the console window already connected, and keeps a tray icon
+//! The desktop shell: starts the engine in-process (the start-up path of `spillway serve`,
+//! from spillway-cli's library), opens the console window already connected, and keeps a tray icon
 //! whose tooltip says how the gateway is doing. The window loads the engine's own console
 //! over loopback, so the browser build and the desktop build are one UI; the web view is
 //! granted no IPC at all (capabilities/main.json).
@@ -19,11 +19,12 @@ fn env(name: &str) -> Option<String> {
 }
 
 /// The same start-up path as `spillway serve`: `SPILLWAY_CONFIG` names a config file;
-/// without it, the embedded default with demo traffic. The gateway listens on a free
-/// loopback port (a desktop app must not fail because 8787 is taken by a headless one).
+/// without it, the embedded default. Demo traffic goes to the config's simulated channels,
+/// if it has any. The gateway listens on a free loopback port (a desktop app must not
+/// fail because 8787 is taken by a headless one).
 async fn start_engine() -> Result<Launched> {
     let config = env("SPILLWAY_CONFIG").map(PathBuf::from);
-    let demo_traffic = config.is_none().then_some(4.0);
+    let demo_traffic = Some(4.0);
     let listen = Some(
         env("SPILLWAY_LISTEN")
             .and_then(|l| l.parse().ok())
