@@ -68,7 +68,7 @@ struct SearchTiming {
 async fn ledger_search(rows: u64) -> Result<Vec<SearchTiming>> {
     use spillway_ledger::{LedgerBackend, RequestRecord, RequestState, Search, SqliteBackend};
     use spillway_wire::{Format, UnixMs};
-    let dir = tempfile::tempdir()?;
+    let dir = work_dir()?;
     let backend = SqliteBackend::open(&dir.path().join("ledger.db")).await?;
     let t0: u64 = 1_790_000_000_000;
     let id = |n: u64| {
@@ -175,7 +175,51 @@ async fn ledger_search(rows: u64) -> Result<Vec<SearchTiming>> {
     Ok(out)
 }
 
+/// What one durable commit of a request row costs (the `calling_api` write every request
+/// waits for), with the gateway's durability and with the weaker one it does not use.
+#[derive(Serialize)]
+struct CommitCost {
+    durability: &'static str,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+async fn commit_cost(commits: u64) -> Result<Vec<CommitCost>> {
+    use spillway_ledger::{Durability, LedgerBackend, RequestRecord, RequestState, SqliteBackend};
+    use spillway_wire::{Format, UnixMs};
+    let mut out = Vec::new();
+    for (name, d) in [
+        ("synchronous=FULL (power loss; the gateway's)", Durability::Full),
+        ("synchronous=NORMAL (process crash only)", Durability::ProcessCrashOnly),
+    ] {
+        let dir = work_dir()?;
+        let backend = SqliteBackend::open_with(&dir.path().join("ledger.db"), d).await?;
+        let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
+        for n in 0..commits {
+            let id = format!("{n:036}");
+            let mut r = RequestRecord::received(id.clone(), id, Format::OpenAi, "/v1/chat/completions", UnixMs(1));
+            r.state = RequestState::CallingApi;
+            let t = Instant::now();
+            backend.write_batch(&[r], &[]).await?;
+            hist.record(t.elapsed().as_micros().max(1) as u64)?;
+        }
+        out.push(CommitCost {
+            durability: name,
+            p50_us: hist.value_at_quantile(0.5),
+            p99_us: hist.value_at_quantile(0.99),
+        });
+    }
+    Ok(out)
+}
+
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// A scratch directory on the project's disk (under `target/`), not in /tmp, which is often
+/// a tmpfs where a sync costs nothing and the ledger's durability would look free.
+fn work_dir() -> Result<tempfile::TempDir> {
+    std::fs::create_dir_all("target")?;
+    Ok(tempfile::tempdir_in("target")?)
+}
 
 struct Proc(Child);
 
@@ -429,6 +473,7 @@ struct Report {
     ledger_rows: u64,
     ledger_search: Vec<SearchTiming>,
     failover: Option<FailoverRun>,
+    commit_cost: Vec<CommitCost>,
 }
 
 /// The failover scenario: two channels serving one model, each failing a share of its
@@ -461,7 +506,7 @@ async fn main() -> Result<()> {
         }
         return Ok(());
     }
-    let dir = tempfile::tempdir()?;
+    let dir = work_dir()?;
     let (_sim, sim_url) = spawn(
         &args.spillway,
         &["sim", "--listen", "127.0.0.1:0"],
@@ -622,6 +667,15 @@ async fn main() -> Result<()> {
         );
     }
 
+    eprintln!("measuring what a durable commit costs ...");
+    let commits = commit_cost(2000).await?;
+    println!("\ndurable commit of one request row (what every request waits for before its upstream call)\n");
+    println!("| durability | p50 | p99 |");
+    println!("|---|---|---|");
+    for c in &commits {
+        println!("| {} | {} | {} |", c.durability, us(c.p50_us), us(c.p99_us));
+    }
+
     let searches = if args.ledger_rows > 0 {
         ledger_search(args.ledger_rows).await?
     } else {
@@ -653,6 +707,7 @@ async fn main() -> Result<()> {
         ledger_rows: args.ledger_rows,
         ledger_search: searches,
         failover,
+        commit_cost: commits,
     };
     std::fs::create_dir_all(&args.out)?;
     let json = serde_json::to_string_pretty(&report)?;

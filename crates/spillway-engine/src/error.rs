@@ -63,6 +63,12 @@ pub enum GatewayError {
     LedgerUnavailable,
     #[error("The gateway is shutting down; the request was not sent upstream. Retry shortly.")]
     ShuttingDown,
+    /// The shutdown cut an upstream call in flight: nobody knows whether the provider
+    /// finished it, so a blind retry could do the work twice.
+    #[error(
+        "The gateway shut down while this request was calling the provider; whether the provider completed it is unknown. The request is recorded as unknown under its x-request-id."
+    )]
+    Interrupted,
     /// A panic: a bug, answered and recorded, never a dropped connection.
     #[error(
         "The gateway failed while handling this request; it was recorded. This is a bug in the gateway, not in the request."
@@ -99,7 +105,9 @@ impl GatewayError {
             | GatewayError::CapacityQueueFull { .. }
             | GatewayError::KeyLimited { .. } => ErrorKind::RateLimited,
             GatewayError::NoChannelInRotation { .. } => ErrorKind::Upstream,
-            GatewayError::LedgerUnavailable | GatewayError::ShuttingDown => ErrorKind::Unavailable,
+            GatewayError::LedgerUnavailable | GatewayError::ShuttingDown | GatewayError::Interrupted => {
+                ErrorKind::Unavailable
+            }
             GatewayError::Internal => ErrorKind::Internal,
             // 499 in nginx's sense has no wire name; the answer goes nowhere anyway.
             GatewayError::ClientGone => ErrorKind::InvalidRequest,
@@ -127,6 +135,7 @@ impl GatewayError {
             GatewayError::NoChannelInRotation { .. } => GatewayClass::NoChannelInRotation,
             GatewayError::LedgerUnavailable => GatewayClass::LedgerUnavailable,
             GatewayError::ShuttingDown => GatewayClass::Shutdown,
+            GatewayError::Interrupted => GatewayClass::Interrupted,
             GatewayError::Internal => GatewayClass::InternalError,
             GatewayError::ClientGone => GatewayClass::ClientDisconnected,
             GatewayError::Upstream { .. } => return None,
@@ -153,7 +162,7 @@ impl GatewayError {
             } if kind.retryable() => {
                 Some(retry_after_ms.map_or(1, |ms| retry_after_secs(std::time::Duration::from_millis(ms))))
             }
-            GatewayError::Internal | GatewayError::BodyTimeout { .. } => None,
+            GatewayError::Internal | GatewayError::BodyTimeout { .. } | GatewayError::Interrupted => None,
             _ if self.kind().retryable() => Some(1),
             _ => None,
         }
@@ -169,7 +178,9 @@ impl GatewayError {
         h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         let futile = matches!(
             self,
-            GatewayError::Upstream { futile: true, .. } | GatewayError::NoChannelInRotation { .. }
+            GatewayError::Upstream { futile: true, .. }
+                | GatewayError::NoChannelInRotation { .. }
+                | GatewayError::Interrupted
         );
         if !kind.retryable() || futile {
             h.insert("x-should-retry", HeaderValue::from_static("false"));

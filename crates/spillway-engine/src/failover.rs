@@ -242,7 +242,7 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
             Decision::FailClosed(stop) => {
                 att.decision = Some(Recorded::FailClosed);
                 att.decision_reason = Some(stop);
-                let err = stopped(ctx, life.rec.attempts, &signal, &name, stop, all_paced, survey.soonest);
+                let err = stopped(life.rec.attempts, &signal, &name, stop, all_paced, survey.soonest);
                 return End::Error {
                     err,
                     class: Some(signal.class),
@@ -289,9 +289,28 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
             }
             Err(e) => {
                 // The loop could not get another slot: the last attempt's class tells why
-                // the request failed, the error what the client hears.
+                // the request failed, the error what the client hears. D7: capacity alone
+                // is a 429 only while every attempt so far was paced; after a provider
+                // failure it is the provider's 502, with the capacity's retry-after.
+                let err = match e {
+                    GatewayError::CapacityBusy { retry_after_s }
+                    | GatewayError::CapacityQueueFull { retry_after_s }
+                        if !all_paced =>
+                    {
+                        let base = client_error(&signal, &name);
+                        GatewayError::Upstream {
+                            kind: ErrorKind::Upstream,
+                            message: format!(
+                                "{base} No channel had room for another attempt within the capacity wait."
+                            ),
+                            retry_after_ms: Some(retry_after_s.saturating_mul(1000)),
+                            futile: false,
+                        }
+                    }
+                    e => e,
+                };
                 return End::Error {
-                    err: e,
+                    err,
                     class: Some(signal.class),
                     att: None,
                 };
@@ -330,7 +349,6 @@ fn alert_ejection(st: &AppState, signal: &Signal, channel: &str) {
 
 /// D7: the failure the client gets once the loop stops.
 fn stopped(
-    ctx: &Ctx,
     attempts: u32,
     signal: &Signal,
     channel: &str,
@@ -347,8 +365,7 @@ fn stopped(
         return GatewayError::Upstream {
             kind: ErrorKind::Upstream,
             message: format!(
-                "{base} No other channel serving model `{}` is in rotation; an operator must restore one.",
-                ctx.parsed.model
+                "{base} No other channel serving this model is in rotation; an operator must restore one."
             ),
             retry_after_ms: retry_after.map(clock::ms),
             futile: soonest.is_none(),

@@ -315,9 +315,19 @@ impl Life {
                 out
             }
             End::Cancelled => {
+                let was_calling = self.calling.is_some();
                 self.interrupted(now);
                 self.settle_now();
-                GatewayError::ShuttingDown.into_response(format)
+                let err = if was_calling {
+                    GatewayError::Interrupted
+                } else {
+                    GatewayError::ShuttingDown
+                };
+                let mut out = err.into_response(format);
+                if self.admitted {
+                    gateway_headers(out.headers_mut(), &self.rec);
+                }
+                out
             }
         }
     }

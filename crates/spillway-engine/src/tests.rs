@@ -234,7 +234,7 @@ async fn request(st: &Arc<AppState>) -> (Life, Ctx, Admitted) {
         candidates,
         tokens: 1,
         deadline: Instant::now() + Duration::from_millis(st.config.total_deadline_ms),
-        capacity_wait_left: Duration::from_secs(10),
+        capacity_wait_left: Duration::from_millis(st.config.capacity_wait_ms),
         client_gone: Arc::new(AtomicBool::new(false)),
     };
     (life, ctx, admitted)
@@ -367,6 +367,31 @@ async fn d7_only_pacing_answers_429_any_provider_failure_502() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn d7_capacity_after_a_provider_failure_is_still_502() {
+    // spec: D7, C2
+    // One channel of one slot: the 503's retry cannot get the slot back (another request
+    // holds it), so the loop stops on capacity; the provider failed first, so: 502.
+    let (st, _) = state_with(config("capacity_wait_ms: 1000", &[("a", 1)]));
+    let caller = Scripted::with(&[("a", fail(503, ErrorClass::Overload, Some(100)))]);
+    let (mut life, mut ctx, admitted) = request(&st).await;
+    let id = life.rec.id.clone();
+    let slot = st.channels[0].permits.clone();
+    let hog = tokio::spawn(async move {
+        // Takes the slot the moment the first attempt gives it back, for longer than the wait.
+        let p = slot.acquire_owned().await.unwrap();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        drop(p);
+    });
+    let end = failover::run(&mut ctx, &mut life, &caller, admitted).await;
+    let resp = life.close(end).await;
+    assert_eq!(resp.status(), 502);
+    assert!(resp.headers().contains_key("retry-after"));
+    let (rec, _) = rows(&st, &id).await;
+    assert_eq!(rec.error_class, Some(FailureClass::Upstream(ErrorClass::Overload)));
+    hog.abort();
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_absurd_wait_hint_is_held_to_the_longest_believed() {
     // spec: F2, D6
     let (st, _) = state_with(config("upstream: {max_wait_hint_ms: 60000}", &[("a", 4)]));
@@ -434,6 +459,9 @@ async fn a_shutdown_that_cuts_a_call_leaves_its_outcome_unknown() {
     };
     let resp = life.close(end).await;
     assert_eq!(resp.status(), 503);
+    // The client hears that the outcome is unknown, and is not invited to retry blindly.
+    assert_eq!(resp.headers()["x-should-retry"], "false");
+    assert!(resp.headers().get("retry-after").is_none());
     let (rec, atts) = rows(&st, &id).await;
     assert_eq!(rec.state, RequestState::Unknown);
     assert_eq!(rec.error_class, Some(FailureClass::Gateway(GatewayClass::Interrupted)));

@@ -17,7 +17,7 @@ pub use record::{
     AttemptRecord, Decision, FailureClass, GatewayClass, MAX_MESSAGE, Page, RequestRecord, RequestState, Search,
     StopReason, truncate,
 };
-pub use sqlite::SqliteBackend;
+pub use sqlite::{Durability, SqliteBackend};
 pub use writer::{Ledger, LedgerHealth};
 
 use async_trait::async_trait;

@@ -75,6 +75,15 @@ const ATTEMPT_COLUMNS: &str = "request_id, attempt_no, channel, upstream_request
     provider_error_type, retry_after_ms, message, started_at, first_byte_at, finished_at, input_tokens, output_tokens, \
     decision, decision_reason, delay_ms, ready_at, visibility";
 
+/// How far an acknowledged commit survives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// A power loss (`synchronous=FULL`: the WAL is synced at every commit). The gateway's.
+    Full,
+    /// A crashed process only (`synchronous=NORMAL`). For measuring, never for serving.
+    ProcessCrashOnly,
+}
+
 pub struct SqliteBackend {
     /// Held as long as the backend lives: one writing process per ledger.
     _lock: LedgerLock,
@@ -98,6 +107,12 @@ impl SqliteBackend {
     /// Takes the ledger's lock, opens (creating if needed) the ledger file at `path` and
     /// applies migrations.
     pub async fn open(path: &Path) -> Result<SqliteBackend> {
+        Self::open_with(path, Durability::Full).await
+    }
+
+    /// [`SqliteBackend::open`] with the commit durability chosen: the gateway always uses
+    /// [`Durability::Full`]; the other exists so `make bench` can say what it costs.
+    pub async fn open_with(path: &Path, durability: Durability) -> Result<SqliteBackend> {
         if let Some(dir) = path.parent()
             && !dir.as_os_str().is_empty()
         {
@@ -119,7 +134,10 @@ impl SqliteBackend {
                 // WAL + FULL: each commit syncs the WAL, so what the writer acknowledged
                 // (a durable `calling_api` above all) survives power loss. NORMAL would
                 // only survive a crashed process.
-                .synchronous(SqliteSynchronous::Full)
+                .synchronous(match durability {
+                    Durability::Full => SqliteSynchronous::Full,
+                    Durability::ProcessCrashOnly => SqliteSynchronous::Normal,
+                })
                 .pragma("wal_autocheckpoint", "0")
                 // After a WAL restart the file is cut back to this size, so one burst
                 // does not keep its disk space for good.
