@@ -65,9 +65,21 @@ fn main() -> Result<()> {
     let rt_handle = rt.handle().clone();
 
     let alerts = state.alerts.subscribe();
+    // SIGINT/SIGTERM as `spillway serve` takes them: the first exits the app (through the
+    // same drain as Quit), a second cuts the drain short.
+    let mut signals = rt.block_on(async { spillway_cli::signals::Signals::new() })?;
+    let abort_now = Arc::new(tokio::sync::Notify::new());
+    let abort_signal = abort_now.clone();
     let app = tauri::Builder::default()
         .plugin(tauri_plugin_notification::init())
         .setup(move |app| {
+            let handle = app.handle().clone();
+            rt_handle.spawn(async move {
+                signals.next().await;
+                handle.exit(0);
+                signals.next().await;
+                abort_signal.notify_one();
+            });
             // Operator alerts (a rejected channel credential today, breaker openings next)
             // become native notifications; without a notification service they are logged.
             let handle = app.handle().clone();
@@ -135,8 +147,15 @@ fn main() -> Result<()> {
             && let Some(e) = engine.lock().ok().and_then(|mut g| g.take())
         {
             // What `spillway serve` does on its first signal: drain in-flight requests
-            // within the drain deadline, cut and record what is left, flush the ledger.
-            if let Err(err) = rt.block_on(e.shutdown()) {
+            // within the drain deadline, cut and record what is left, flush the ledger; a
+            // second signal meanwhile cuts at once.
+            let r = rt.block_on(async {
+                tokio::select! {
+                    r = e.shutdown() => r,
+                    _ = abort_now.notified() => e.abort().await,
+                }
+            });
+            if let Err(err) = r {
                 tracing::error!(error = %err, "shutdown did not complete cleanly");
             }
         }

@@ -57,7 +57,7 @@ export function OverviewView({ conn }: { conn: Connection }) {
         <Tile label="Latency p50" value={ms(h.p50_ms)} hint="Median time from receipt to the end of the answer, last 10 s" testid="tile-p50" />
         <Tile label="Latency p95" value={ms(h.p95_ms)} hint="95th percentile, last 10 s" testid="tile-p95" />
         <Tile label="In flight" value={count(h.in_flight)} hint="Requests admitted to a channel and not finished" testid="tile-inflight" />
-        <Tile label="Refused, no key" value={count(h.rejected_last_minute)} hint="Requests refused before they had a valid key (or that named a foreign Host), last 60 s; counted, not written to the ledger" testid="tile-rejected" />
+        <Tile label="Refused, no row" value={count(h.rejected_last_minute)} hint="Requests refused without a ledger row, last 60 s: no valid key, a foreign Host name, or a ledger refusing writes; counted, not written one by one" testid="tile-rejected" />
       </div>
       <div className="charts">
         <Chart title="Traffic, last 15 min" data={charts.traffic} series={[{ label: 'requests', color: '#3b82f6', unit: '/s' }, { label: 'errors', color: '#ef4444', unit: '/s' }]} />
@@ -108,9 +108,9 @@ export function OverviewView({ conn }: { conn: Connection }) {
           {overview.channels.map((c) => <ChannelRow key={c.name} c={c} conn={conn} />)}
         </tbody>
       </table>
-      <h2>Refused before a key</h2>
+      <h2>Refused without a ledger row</h2>
       {overview.rejections.length === 0 ? (
-        <p className="muted" data-testid="rejections-empty">None: every request so far came with a valid key.</p>
+        <p className="muted" data-testid="rejections-empty">None: every request so far came with a valid key, to a Host this gateway answers, while its ledger took writes.</p>
       ) : (
         <table className="grid" data-testid="rejections">
           <caption className="muted small">The latest {overview.rejections.length}, newest first. These are counted, not written to the ledger one by one.</caption>

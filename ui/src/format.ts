@@ -179,6 +179,7 @@ const REJECT: Record<RejectReason, string> = {
   missing_key: 'no key',
   invalid_key: 'unknown key',
   forbidden_host: 'foreign Host name',
+  ledger_unavailable: 'ledger refusing writes',
 }
 
 export function rejectReason(r: RejectReason): string {

@@ -20,7 +20,6 @@ use spillway_ledger::{AttemptRecord, Decision as Recorded};
 use spillway_wire::{ErrorClass, ErrorKind, Format, ParsedRequest, Signal, Usage};
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -40,9 +39,9 @@ pub struct Ctx {
     pub deadline: Instant,
     /// C2: what is left of the request's capacity-wait allowance.
     pub capacity_wait_left: Duration,
-    /// Set when the client has hung up: a request waiting to retry then leaves the queue
-    /// and sends nothing more upstream (C4).
-    pub client_gone: Arc<AtomicBool>,
+    /// Cancelled when the client hangs up: a request waiting to retry then leaves at once
+    /// (its key slot with it) and sends nothing more upstream (C4).
+    pub client_gone: tokio_util::sync::CancellationToken,
 }
 
 /// What one upstream call brought back.
@@ -270,16 +269,17 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
             // F1, I5: a long wait is on record before it starts.
             life.wait_until(ready_at).await;
         }
-        // No channel slot is held while waiting (F1); the deadline bounds the wait.
-        tokio::time::sleep(delay).await;
-        if ctx.client_gone.load(Ordering::Relaxed) {
-            return End::refused(GatewayError::ClientGone);
+        // No channel slot is held while waiting (F1); the deadline bounds the wait, and a
+        // client that hangs up ends it.
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = ctx.client_gone.cancelled() => return End::refused(GatewayError::ClientGone),
         }
 
         let now = Instant::now();
         let max_wait = ctx.capacity_wait_left.min(ctx.deadline.saturating_duration_since(now));
         match routing::admit(&ctx.candidates, ctx.tokens, &tried, max_wait, life.wait_guard()).await {
-            Ok(_) if ctx.client_gone.load(Ordering::Relaxed) => return End::refused(GatewayError::ClientGone),
+            Ok(_) if ctx.client_gone.is_cancelled() => return End::refused(GatewayError::ClientGone),
             Ok(a) => {
                 if let Some(w) = a.waited {
                     ctx.capacity_wait_left = ctx.capacity_wait_left.saturating_sub(w);

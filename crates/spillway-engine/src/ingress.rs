@@ -33,7 +33,6 @@ use spillway_ledger::RequestRecord;
 use spillway_wire::{Format, parse_request, request::valid_model_name};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// The gateway's id for this request, set by [`request_id_layer`] before any handler runs.
@@ -290,6 +289,17 @@ async fn handle<C: Caller>(
         Ok(k) => k,
         Err(e) => return refuse_unauthenticated(&st, format, conn.as_ref(), e),
     };
+    // A ledger that refuses writes: 503 before anything else, counted, not recorded (its
+    // spool is for the requests that were already running).
+    if !st.ledger.health().ok {
+        st.metrics.rejected(Rejection {
+            at: clock::now(),
+            reason: RejectReason::LedgerUnavailable,
+            format,
+            peer: conn.as_ref().map(|c| c.peer.ip().to_string()),
+        });
+        return GatewayError::LedgerUnavailable.into_response(format);
+    }
     let id = parts
         .extensions
         .get::<RequestId>()
@@ -311,9 +321,6 @@ async fn handle<C: Caller>(
     let mut life = Life::new(st.clone(), rec, conn);
 
     // Cheap refusals first: nothing of the body has been read yet.
-    if !st.ledger.health().ok {
-        return life.close(End::refused(GatewayError::LedgerUnavailable)).await;
-    }
     if !is_json(&parts.headers) {
         return life.close(End::refused(GatewayError::UnsupportedMediaType)).await;
     }
@@ -369,7 +376,7 @@ async fn handle<C: Caller>(
         Ok(a) => a,
         Err(e) => return life.close(End::refused(e)).await,
     };
-    let client_gone = Arc::new(AtomicBool::new(false));
+    let client_gone = tokio_util::sync::CancellationToken::new();
     let mut ctx = Ctx {
         format,
         uri: parts.uri,
@@ -408,11 +415,11 @@ async fn handle<C: Caller>(
 }
 
 /// Tells the attempt loop that nobody is waiting for the answer any more.
-struct HangUp(Arc<AtomicBool>);
+struct HangUp(tokio_util::sync::CancellationToken);
 
 impl Drop for HangUp {
     fn drop(&mut self) {
-        self.0.store(true, Ordering::Relaxed);
+        self.0.cancel();
     }
 }
 

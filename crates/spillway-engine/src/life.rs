@@ -77,8 +77,10 @@ pub enum StreamEnd {
     Complete,
     /// The upstream broke off or went quiet.
     Broken(ErrorClass, String),
-    /// The client went away (or stopped reading and was cut off).
+    /// The client went away (or stopped reading and its connection was cut off).
     ClientGone,
+    /// The client stopped taking chunks for the write deadline.
+    Stalled,
     /// The gateway's shutdown cut it.
     Interrupted,
 }
@@ -94,6 +96,9 @@ pub struct Life {
     /// The attempt whose upstream call is in progress: what a cut leaves behind.
     calling: Option<AttemptRecord>,
     conn: Option<Arc<ConnState>>,
+    /// The final record is set and the figures closed; what is left is writing it (which
+    /// a drop mid-write finishes synchronously, without closing the figures twice).
+    settling: Option<Option<AttemptRecord>>,
     closed: bool,
 }
 
@@ -108,6 +113,7 @@ impl Life {
             admitted: false,
             calling: None,
             conn,
+            settling: None,
             closed: false,
         }
     }
@@ -149,7 +155,13 @@ impl Life {
         }
         if let Err(e) = self.st.ledger.put_request_durable(self.rec.clone()).await {
             tracing::error!(error = %e, request_id = %self.rec.id, "ledger unavailable; refusing to call upstream");
+            // Nothing went upstream: the record must not say otherwise.
             self.rec.state = RequestState::Received;
+            self.rec.admitted_at = None;
+            self.rec.served_model = None;
+            self.rec.channel = None;
+            self.rec.attempts = 0;
+            self.rec.queued_ms = None;
             return Err(GatewayError::LedgerUnavailable);
         }
         if let Some(r) = &self.route {
@@ -393,6 +405,11 @@ impl Life {
                 "client went away before the stream ended".to_owned(),
                 RequestState::Failed,
             )),
+            StreamEnd::Stalled => Some((
+                GatewayClass::ClientStalled.into(),
+                "client stopped reading the stream for the write deadline; its slots were freed".to_owned(),
+                RequestState::Failed,
+            )),
             // The provider was still producing: what it did in the end is not known.
             StreamEnd::Interrupted => Some((
                 GatewayClass::Interrupted.into(),
@@ -442,12 +459,14 @@ impl Life {
 
     /// The final record and figures, with backpressure on the ledger's queue.
     async fn settle(&mut self, att: Option<AttemptRecord>) {
+        self.finish_figures();
+        self.settling = Some(att.clone());
         if let Some(a) = att
             && let Err(e) = self.st.ledger.put_attempt(a).await
         {
             tracing::error!(error = %e, "could not record an attempt");
         }
-        self.finish_figures();
+        self.settling = Some(None);
         if let Err(e) = self.st.ledger.put_request(self.rec.clone()).await {
             tracing::error!(error = %e, request_id = %self.rec.id, "could not record a request");
         }
@@ -489,6 +508,16 @@ fn end_reason(class: &FailureClass, committed: bool) -> Option<StopReason> {
 impl Drop for Life {
     fn drop(&mut self) {
         if self.closed {
+            return;
+        }
+        if let Some(att) = self.settling.take() {
+            // Dropped while its final record waited for room in the ledger's queue: the
+            // record is final already; queue it now.
+            if let Some(a) = att {
+                self.st.ledger.enqueue_attempt(a);
+            }
+            self.st.ledger.enqueue_request(self.rec.clone());
+            self.release();
             return;
         }
         let now = clock::now();

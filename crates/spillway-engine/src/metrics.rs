@@ -22,7 +22,7 @@ pub const OTHER_MODELS: &str = "(other models)";
 /// Refusals kept for the console's list.
 const RECENT_REJECTIONS: usize = 20;
 
-/// Why a request was refused before it had a valid key.
+/// Why a request was refused without a ledger row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, TS)]
 #[serde(rename_all = "snake_case")]
 pub enum RejectReason {
@@ -30,10 +30,14 @@ pub enum RejectReason {
     InvalidKey,
     /// A Host name the listener does not answer (P1: DNS rebinding).
     ForbiddenHost,
+    /// The ledger was refusing writes: the request was answered 503 before anything else,
+    /// and a row for it would only have taken room in the spool.
+    LedgerUnavailable,
 }
 
-/// A request refused before it had a valid key: counted and listed, not recorded one by
-/// one in the ledger (a flood of them must not fill the disk).
+/// A request refused without a ledger row: before it had a valid key, or while the ledger
+/// refused writes. Counted and listed, not recorded one by one (a flood of them must not
+/// fill the disk, nor the spool of a ledger that is down).
 #[derive(Clone, Debug, Serialize, TS)]
 pub struct Rejection {
     pub at: UnixMs,

@@ -47,6 +47,11 @@ pub struct ConnState {
     /// 1 + milliseconds since `base` since writes have been pending; 0 when they are not.
     write_blocked: AtomicU64,
     stalled: AtomicBool,
+    /// The client speaks HTTP/2 (its first bytes were the preface): pings and window
+    /// updates arrive while it idles, so bytes read say nothing about a request head.
+    h2: AtomicBool,
+    /// How much of the HTTP/2 preface the first bytes matched so far (`u32::MAX`: not it).
+    preface: AtomicU32,
     kick: Notify,
 }
 
@@ -57,9 +62,13 @@ impl ConnState {
             base: Instant::now(),
             busy: AtomicU32::new(0),
             idle_since: AtomicU64::new(0),
-            head_at: AtomicU64::new(0),
+            // A new connection owes its first request's head at once: one that never
+            // sends a byte gets the header deadline, not the idle one.
+            head_at: AtomicU64::new(1),
             write_blocked: AtomicU64::new(0),
             stalled: AtomicBool::new(false),
+            h2: AtomicBool::new(false),
+            preface: AtomicU32::new(0),
             kick: Notify::new(),
         }
     }
@@ -86,7 +95,27 @@ impl ConnState {
         }
     }
 
-    fn read_some(&self) {
+    fn read_some(&self, bytes: &[u8]) {
+        const PREFACE: &[u8] = b"PRI * HTTP/2.0";
+        let seen = self.preface.load(Ordering::Acquire) as usize;
+        if seen < PREFACE.len() {
+            let want = &PREFACE[seen..];
+            let n = want.len().min(bytes.len());
+            if bytes[..n] != want[..n] {
+                self.preface.store(u32::MAX, Ordering::Release);
+            } else if seen + n == PREFACE.len() {
+                self.preface.store(u32::MAX, Ordering::Release);
+                self.h2.store(true, Ordering::Release);
+                // The preface is not a request head: an HTTP/2 client is idle until it asks.
+                self.head_at.store(0, Ordering::Release);
+                self.kick.notify_one();
+            } else {
+                self.preface.store((seen + n) as u32, Ordering::Release);
+            }
+        }
+        if self.h2.load(Ordering::Acquire) {
+            return;
+        }
         if self.busy.load(Ordering::Acquire) == 0 && self.head_at.load(Ordering::Acquire) == 0 {
             self.head_at.store(self.ms() + 1, Ordering::Release);
             self.kick.notify_one();
@@ -154,7 +183,7 @@ impl AsyncRead for WatchedIo {
         let before = buf.filled().len();
         let r = Pin::new(&mut self.inner).poll_read(cx, buf);
         if matches!(r, Poll::Ready(Ok(()))) && buf.filled().len() > before {
-            self.conn.read_some();
+            self.conn.read_some(&buf.filled()[before..]);
         }
         r
     }
@@ -312,6 +341,8 @@ pub async fn serve(listener: TcpListener, router: Router, st: Arc<AppState>) {
         .keep_alive_timeout(Duration::from_secs(20));
     let builder = Arc::new(builder);
     let tracker = TaskTracker::new();
+    // Connections over the cap are answered by a few short-lived tasks at most.
+    let refusers = Arc::new(Semaphore::new(64));
     let draining = st.shutdown.draining.clone();
     let mut refused_logged = false;
     loop {
@@ -336,8 +367,7 @@ pub async fn serve(listener: TcpListener, router: Router, st: Arc<AppState>) {
                 );
                 refused_logged = true;
             }
-            let _ = stream.try_write(&OVER_CAPACITY);
-            drop(stream);
+            refuse(stream, &refusers);
             continue;
         };
         refused_logged = false;
@@ -398,6 +428,28 @@ pub async fn serve(listener: TcpListener, router: Router, st: Arc<AppState>) {
     drop(listener);
     tracker.close();
     tracker.wait().await;
+}
+
+/// Answers a connection over the cap with a 503 and closes it. The client's request may
+/// already be on its way: it is read and thrown away for a moment, or closing the socket
+/// on unread bytes would reset the connection and the 503 would never be seen.
+fn refuse(stream: TcpStream, refusers: &Arc<Semaphore>) {
+    let Ok(permit) = refusers.clone().try_acquire_owned() else {
+        return;
+    };
+    tokio::spawn(async move {
+        let _permit = permit;
+        let mut stream = stream;
+        let _ = tokio::time::timeout(Duration::from_millis(500), async {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            stream.write_all(&OVER_CAPACITY).await?;
+            stream.shutdown().await?;
+            let mut sink = [0u8; 4096];
+            while stream.read(&mut sink).await? > 0 {}
+            Ok::<_, std::io::Error>(())
+        })
+        .await;
+    });
 }
 
 async fn sleep_until(at: Option<Instant>) {

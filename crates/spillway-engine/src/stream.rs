@@ -197,53 +197,140 @@ impl Primed {
     pub fn into_attempt(self) -> AttemptRecord {
         self.att
     }
-
-    fn error_event(&self, request_id: &str, message: &str) -> Bytes {
-        Bytes::from(stream_error_event(
-            self.watch.format,
-            ErrorKind::Upstream,
-            message,
-            request_id,
-        ))
-    }
 }
 
-/// The response body of a primed stream: passes it through and closes its request when
-/// it ends, however it ends.
-pub struct StreamBody {
+/// A stream in flight: its upstream and its request.
+struct Active {
     primed: Primed,
     life: Life,
-    /// Fires when the upstream sends nothing for `idle_timeout`.
-    idle: Pin<Box<tokio::time::Sleep>>,
-    /// The gateway's shutdown past its drain deadline.
-    cancel: Pin<Box<WaitForCancellationFutureOwned>>,
-    finished: bool,
 }
 
-impl StreamBody {
-    pub fn new(primed: Primed, life: Life) -> StreamBody {
-        let idle = Box::pin(tokio::time::sleep(primed.idle_timeout));
-        let cancel = Box::pin(life.st().shutdown.cancel.clone().cancelled_owned());
-        StreamBody {
-            primed,
-            life,
-            idle,
-            cancel,
-            finished: false,
-        }
-    }
-
-    fn finish(&mut self, end: StreamEnd) {
-        self.finished = true;
+impl Active {
+    fn finish(mut self, end: StreamEnd) {
         // The channel slot goes back before anything else (C1).
         self.primed.permit.take();
         self.life.close_stream(end, &mut self.primed);
     }
+}
 
-    fn end_with_error(&mut self, end: StreamEnd, message: &str) -> Poll<Option<std::io::Result<Bytes>>> {
-        let ev = self.primed.error_event(&self.life.rec.id, message);
-        self.finish(end);
+/// What the response body and its stall watchdog share.
+struct Shared {
+    active: std::sync::Mutex<Option<Active>>,
+    base: Instant,
+    /// 1 + milliseconds since `base` when the body last handed a chunk over and has not
+    /// been asked for the next since; 0 while it is being asked (or waiting upstream).
+    handed: std::sync::atomic::AtomicU64,
+    /// Wakes the watchdog when a chunk is handed over or the stream ends.
+    note: tokio::sync::Notify,
+}
+
+impl Shared {
+    fn take(&self) -> Option<Active> {
+        self.active.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// The response body of a primed stream: passes it through and closes its request when
+/// it ends, however it ends. A client that stops taking chunks — a full socket, or an
+/// HTTP/2 stream whose window the client never opens — is found by a watchdog: once a
+/// handed-over chunk waits `write_timeout` for the next poll, the request is closed as
+/// `client_stalled` and its channel and key slots come free.
+pub struct StreamBody {
+    shared: std::sync::Arc<Shared>,
+    /// Fires when the upstream sends nothing for `idle_timeout`.
+    idle: Pin<Box<tokio::time::Sleep>>,
+    idle_timeout: Duration,
+    /// The gateway's shutdown past its drain deadline.
+    cancel: Pin<Box<WaitForCancellationFutureOwned>>,
+    format: Format,
+    request_id: String,
+}
+
+impl StreamBody {
+    pub fn new(primed: Primed, life: Life) -> StreamBody {
+        let idle_timeout = primed.idle_timeout;
+        let idle = Box::pin(tokio::time::sleep(idle_timeout));
+        let cancel = Box::pin(life.st().shutdown.cancel.clone().cancelled_owned());
+        let write_timeout = Duration::from_millis(life.st().config.server.write_timeout_ms);
+        let format = primed.watch.format;
+        let request_id = life.rec.id.clone();
+        let shared = std::sync::Arc::new(Shared {
+            active: std::sync::Mutex::new(Some(Active { primed, life })),
+            base: Instant::now(),
+            handed: Default::default(),
+            note: tokio::sync::Notify::new(),
+        });
+        tokio::spawn(watch_stalls(std::sync::Arc::downgrade(&shared), write_timeout));
+        StreamBody {
+            shared,
+            idle,
+            idle_timeout,
+            cancel,
+            format,
+            request_id,
+        }
+    }
+
+    fn error_event(&self, message: &str) -> Bytes {
+        Bytes::from(stream_error_event(
+            self.format,
+            ErrorKind::Upstream,
+            message,
+            &self.request_id,
+        ))
+    }
+
+    fn end(&self, end: StreamEnd) {
+        if let Some(a) = self.shared.take() {
+            a.finish(end);
+        }
+        self.shared.note.notify_one();
+    }
+
+    fn end_with_error(&self, end: StreamEnd, message: &str) -> Poll<Option<std::io::Result<Bytes>>> {
+        let ev = self.error_event(message);
+        self.end(end);
         Poll::Ready(Some(Ok(ev)))
+    }
+
+    fn handed_over(&self, chunk: Bytes) -> Poll<Option<std::io::Result<Bytes>>> {
+        let ms = self.shared.base.elapsed().as_millis() as u64;
+        self.shared.handed.store(ms + 1, std::sync::atomic::Ordering::Release);
+        self.shared.note.notify_one();
+        Poll::Ready(Some(Ok(chunk)))
+    }
+}
+
+/// Closes the stream's request when a chunk it handed over is not followed by a request
+/// for the next within `limit` (the client stopped reading).
+async fn watch_stalls(shared: std::sync::Weak<Shared>, limit: Duration) {
+    use std::sync::atomic::Ordering;
+    loop {
+        let Some(sh) = shared.upgrade() else { return };
+        let note = sh.note.notified();
+        tokio::pin!(note);
+        note.as_mut().enable();
+        if sh.active.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+            return;
+        }
+        let handed = sh.handed.load(Ordering::Acquire);
+        if handed == 0 {
+            note.await;
+            continue;
+        }
+        let deadline = sh.base + Duration::from_millis(handed - 1) + limit;
+        tokio::select! {
+            _ = note => continue,
+            _ = tokio::time::sleep_until(deadline) => {
+                if sh.handed.load(Ordering::Acquire) == handed
+                    && let Some(a) = sh.take()
+                {
+                    tracing::info!(request_id = %a.life.rec.id, "client stopped reading its stream; its slots are freed");
+                    a.finish(StreamEnd::Stalled);
+                    return;
+                }
+            }
+        }
     }
 }
 
@@ -251,27 +338,36 @@ impl Stream for StreamBody {
     type Item = std::io::Result<Bytes>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        if let Some(chunk) = self.primed.prefix.pop_front() {
-            return Poll::Ready(Some(Ok(chunk)));
-        }
-        if self.finished {
+        // Asked for the next chunk: the client is reading.
+        self.shared.handed.store(0, std::sync::atomic::Ordering::Release);
+        let shared = self.shared.clone();
+        let mut guard = shared.active.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(active) = guard.as_mut() else {
             return Poll::Ready(None);
+        };
+        if let Some(chunk) = active.primed.prefix.pop_front() {
+            drop(guard);
+            return self.handed_over(chunk);
         }
         if self.cancel.as_mut().poll(cx).is_ready() {
+            drop(guard);
             return self.end_with_error(StreamEnd::Interrupted, "The gateway is shutting down");
         }
-        if self.primed.inner_done {
-            self.finish(StreamEnd::Complete);
+        if active.primed.inner_done {
+            drop(guard);
+            self.end(StreamEnd::Complete);
             return Poll::Ready(None);
         }
-        match self.primed.inner.as_mut().poll_next(cx) {
+        match active.primed.inner.as_mut().poll_next(cx) {
             Poll::Ready(Some(Ok(chunk))) => {
-                let deadline = Instant::now() + self.primed.idle_timeout;
+                active.primed.watch.observe(&chunk);
+                drop(guard);
+                let deadline = Instant::now() + self.idle_timeout;
                 self.idle.as_mut().reset(deadline);
-                self.primed.watch.observe(&chunk);
-                Poll::Ready(Some(Ok(chunk)))
+                self.handed_over(chunk)
             }
             Poll::Ready(Some(Err(e))) => {
+                drop(guard);
                 let msg = spillway_ledger::truncate(format!("upstream stream broke off: {e}"), 512);
                 self.end_with_error(
                     StreamEnd::Broken(ErrorClass::StreamInterrupted, msg),
@@ -279,32 +375,37 @@ impl Stream for StreamBody {
                 )
             }
             Poll::Ready(None) => {
-                self.finish(StreamEnd::Complete);
+                drop(guard);
+                self.end(StreamEnd::Complete);
                 Poll::Ready(None)
             }
-            Poll::Pending => match self.idle.as_mut().poll(cx) {
-                Poll::Ready(()) => {
-                    let ms = self.primed.idle_timeout.as_millis();
-                    self.end_with_error(
-                        StreamEnd::Broken(ErrorClass::Timeout, format!("upstream sent nothing for {ms} ms")),
-                        &format!("The upstream stream stalled for {ms} ms"),
-                    )
+            Poll::Pending => {
+                drop(guard);
+                match self.idle.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        let ms = self.idle_timeout.as_millis();
+                        self.end_with_error(
+                            StreamEnd::Broken(ErrorClass::Timeout, format!("upstream sent nothing for {ms} ms")),
+                            &format!("The upstream stream stalled for {ms} ms"),
+                        )
+                    }
+                    Poll::Pending => Poll::Pending,
                 }
-                Poll::Pending => Poll::Pending,
-            },
+            }
         }
     }
 }
 
 impl Drop for StreamBody {
     fn drop(&mut self) {
-        if !self.finished {
-            let end = if self.life.st().shutdown.cancel.is_cancelled() {
+        if let Some(a) = self.shared.take() {
+            let end = if a.life.st().shutdown.cancel.is_cancelled() {
                 StreamEnd::Interrupted
             } else {
                 StreamEnd::ClientGone
             };
-            self.finish(end);
+            a.finish(end);
         }
+        self.shared.note.notify_one();
     }
 }

@@ -235,7 +235,7 @@ async fn request(st: &Arc<AppState>) -> (Life, Ctx, Admitted) {
         tokens: 1,
         deadline: Instant::now() + Duration::from_millis(st.config.total_deadline_ms),
         capacity_wait_left: Duration::from_millis(st.config.capacity_wait_ms),
-        client_gone: Arc::new(AtomicBool::new(false)),
+        client_gone: tokio_util::sync::CancellationToken::new(),
     };
     (life, ctx, admitted)
 }
@@ -425,8 +425,11 @@ async fn c4_a_client_gone_while_waiting_to_retry_stops_the_request() {
         // The client hangs up half-way through the wait.
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(500)) => {
-                gone.store(true, Ordering::Relaxed);
-                run.await
+                gone.cancel();
+                let t = Instant::now();
+                let end = run.await;
+                assert_eq!(t.elapsed(), Duration::ZERO, "the wait ends the moment the client leaves");
+                end
             }
             end = &mut run => end,
         }
@@ -489,8 +492,14 @@ fn chunk(content: &str) -> std::io::Result<Bytes> {
 
 /// A primed stream over a scripted upstream, already holding its first token, and the
 /// response body that passes it on.
-async fn primed_stream(st: &Arc<AppState>) -> (tokio::sync::mpsc::Sender<std::io::Result<Bytes>>, StreamBody, String) {
+async fn primed_stream(
+    st: &Arc<AppState>,
+    key_slot: Option<crate::limits::KeySlot>,
+) -> (tokio::sync::mpsc::Sender<std::io::Result<Bytes>>, StreamBody, String) {
     let (mut life, _ctx, admitted) = request(st).await;
+    if let Some(k) = key_slot {
+        life.hold_key(k);
+    }
     life.calling_api("a", None).await.unwrap();
     let att = life.begin_attempt("a");
     life.attempt_returned();
@@ -520,7 +529,7 @@ async fn primed_stream(st: &Arc<AppState>) -> (tokio::sync::mpsc::Sender<std::io
 async fn h2_a_stream_that_goes_quiet_after_output_ends_with_an_error_event() {
     // spec: H2, H4
     let (st, _) = state_with(config("", &[("a", 4)]));
-    let (tx, mut body, id) = primed_stream(&st).await;
+    let (tx, mut body, id) = primed_stream(&st, None).await;
     assert_eq!(st.channels[0].in_flight(), 1);
     // The held prefix comes first, then what arrives.
     assert!(body.next().await.unwrap().unwrap().starts_with(b"data: "));
@@ -546,28 +555,71 @@ async fn b1_a_client_that_goes_away_mid_stream_frees_its_slots() {
     // spec: B1, C1
     let (st, _) = state_with(config("", &[("a", 4)]));
     let key = st.keys.values().next().unwrap().clone();
-    let (_tx, mut body, id) = primed_stream(&st).await;
+    let (_tx, mut body, id) = primed_stream(&st, Some(key.limits.acquire(Duration::ZERO).await.unwrap())).await;
     assert!(body.next().await.is_some());
+    assert!(
+        key.limits.acquire(Duration::ZERO).await.is_err(),
+        "the stream holds the key's only slot"
+    );
     drop(body);
     assert_eq!(st.channels[0].in_flight(), 0);
+    assert!(
+        key.limits.acquire(Duration::ZERO).await.is_ok(),
+        "and gives it back with the client"
+    );
     let (rec, _) = rows(&st, &id).await;
     assert_eq!(
         rec.error_class,
         Some(FailureClass::Gateway(GatewayClass::ClientDisconnected))
     );
     assert_eq!(st.shutdown.open_requests(), 0);
-    // The key's one concurrency slot is free again (the test request never took it, so
-    // take it twice: the second only succeeds if nothing else holds it).
-    let slot = key.limits.acquire(Duration::ZERO).await.unwrap();
-    drop(slot);
-    assert!(key.limits.acquire(Duration::ZERO).await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn b1_a_client_that_stops_reading_a_stream_frees_its_slots_at_the_write_deadline() {
+    // spec: B1, C1
+    // Whatever the transport (a full socket, an HTTP/2 window never opened): a chunk handed
+    // over and not followed by a request for the next within the write deadline.
+    let (st, _) = state_with(config("server: {write_timeout_ms: 2000}", &[("a", 4)]));
+    let key = st.keys.values().next().unwrap().clone();
+    let (tx, mut body, id) = primed_stream(&st, Some(key.limits.acquire(Duration::ZERO).await.unwrap())).await;
+    assert!(body.next().await.is_some());
+    tx.send(chunk(" more")).await.unwrap();
+    // The client takes chunks slowly but takes them: no stall.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(body.next().await.is_some());
+    assert_eq!(st.channels[0].in_flight(), 1);
+    // Then it stops asking.
+    let t0 = Instant::now();
+    while st.channels[0].in_flight() == 1 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never freed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1900) && t0.elapsed() <= Duration::from_millis(2100),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert!(
+        key.limits.acquire(Duration::ZERO).await.is_ok(),
+        "the key's slot is free"
+    );
+    let (rec, atts) = rows(&st, &id).await;
+    assert_eq!(
+        rec.error_class,
+        Some(FailureClass::Gateway(GatewayClass::ClientStalled))
+    );
+    assert_eq!(atts[0].decision_reason, Some(StopReason::PartialOutputCommitted));
+    assert_eq!(st.shutdown.open_requests(), 0);
+    // The body, polled again, just ends.
+    assert!(body.next().await.is_none());
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_shutdown_mid_stream_ends_it_and_leaves_the_outcome_unknown() {
     // spec: H2, I4
     let (st, _) = state_with(config("", &[("a", 4)]));
-    let (_tx, mut body, id) = primed_stream(&st).await;
+    let (_tx, mut body, id) = primed_stream(&st, None).await;
     assert!(body.next().await.is_some());
     assert!(body.next().await.is_some());
     st.shutdown.cancel.cancel();

@@ -95,7 +95,7 @@ async fn read_capped(resp: reqwest::Response, max: u64) -> Result<Bytes, Signal>
             Err(e) => {
                 return Err(Signal::transport(
                     ErrorClass::StreamInterrupted,
-                    spillway_ledger::truncate(format!("reading the response body: {e}"), 512),
+                    spillway_ledger::truncate(format!("reading the response body: {}", e.without_url()), 512),
                 ));
             }
         }
@@ -162,8 +162,8 @@ impl Caller for HttpCaller {
                 } else {
                     ErrorClass::Unreachable
                 };
-                // reqwest's message names the URL, which holds no secret.
-                let s = Signal::transport(class, spillway_ledger::truncate(format!("{e}"), 512));
+                // Without the URL: its query is the client's own text.
+                let s = Signal::transport(class, spillway_ledger::truncate(format!("{}", e.without_url()), 512));
                 return failed(att, s);
             }
             Ok(Ok(r)) => r,
@@ -188,7 +188,7 @@ impl Caller for HttpCaller {
                 .get(header::CONTENT_TYPE)
                 .cloned()
                 .unwrap_or(HeaderValue::from_static("text/event-stream"));
-            let inner: ByteStream = Box::pin(resp.bytes_stream().map_err(std::io::Error::other));
+            let inner: ByteStream = Box::pin(resp.bytes_stream().map_err(|e| std::io::Error::other(e.without_url())));
             let mut primed = Primed::new(
                 inner,
                 format,

@@ -344,8 +344,12 @@ impl Ledger {
     }
 
     /// Flushes (giving a store that refuses commits `patience` to recover), then stops the
-    /// background tasks. Clones of this handle stop working.
+    /// background tasks. Clones of this handle stop working. Closing twice is harmless: the
+    /// second close finds the queue closed and returns.
     pub async fn close(&self, patience: Duration) -> Result<()> {
+        if self.queue.lock().closed {
+            return Ok(());
+        }
         let deadline = tokio::time::Instant::now() + patience;
         let r = loop {
             match tokio::time::timeout_at(deadline, self.flush()).await {

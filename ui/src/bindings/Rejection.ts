@@ -4,8 +4,9 @@ import type { RejectReason } from "./RejectReason";
 import type { UnixMs } from "./UnixMs";
 
 /**
- * A request refused before it had a valid key: counted and listed, not recorded one by
- * one in the ledger (a flood of them must not fill the disk).
+ * A request refused without a ledger row: before it had a valid key, or while the ledger
+ * refused writes. Counted and listed, not recorded one by one (a flood of them must not
+ * fill the disk, nor the spool of a ledger that is down).
  */
 export type Rejection = { at: UnixMs, reason: RejectReason, format: Format, 
 /**
