@@ -5,6 +5,7 @@ absurd wait hints, endless answers. Every test is bounded in time and uses loopb
 
 import json
 import socket
+import threading
 import time
 from urllib.parse import urlparse
 
@@ -313,3 +314,29 @@ def test_the_admin_api_answers_no_other_origin(gateway):
     assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
     r = httpx.get(gateway.url + "/admin/v1/overview", headers={**h, "origin": gateway.url})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_a_full_capacity_queue_refuses_at_once(gateway_factory):
+    # spec: C2
+    gw = gateway_factory(extra_yaml="capacity_queue_max: 1", max_concurrency=1)
+    ch = gw.channel("openai")
+    gw.sim.set(ch, latency_ms=3000)
+    results = []
+    first = threading.Thread(target=lambda: results.append(post(gw, "openai", gw.key, json=BODIES["openai"], timeout=30)))
+    first.start()
+    assert wait_for(lambda: gw.sim.stats(ch)["in_flight"] == 1, 5)
+    # One may wait (the queue holds one)...
+    second = threading.Thread(target=lambda: results.append(post(gw, "openai", gw.key, json=BODIES["openai"], timeout=30)))
+    second.start()
+    assert wait_for(lambda: gw.admin("GET", "/admin/v1/overview")["routes"][0]["queued"] == 1, 5)
+    # ...the next finds the queue full: C2's 429 at once, not after the 10 s wait.
+    t = time.monotonic()
+    r = post(gw, "openai", gw.key, json=BODIES["openai"], timeout=30)
+    assert time.monotonic() - t < 1.0
+    assert r.status_code == 429 and "retry-after" in r.headers
+    assert error_of("openai", r.json())[1] == "All upstream capacity for this model is busy. Retry shortly."
+    assert gw.request_row(r.headers["x-request-id"])["error_class"] == "capacity_queue_full"
+    first.join(10)
+    second.join(10)
+    assert sorted(x.status_code for x in results) == [200, 200]
+    gw.sim.set(ch)
