@@ -33,28 +33,54 @@ def clean_env(**extra):
     return env
 
 
-def read_line(proc, prefix, timeout=20.0):
-    """Reads stdout lines until one starts with `prefix`; fails after `timeout` seconds."""
+def _line_from(proc, stream, match, timeout):
+    """Reads `stream` (one of proc's pipes) a byte at a time until a whole line satisfies
+    `match`; None after `timeout` seconds or at the end of the stream."""
     deadline = time.monotonic() + timeout
     buf = b""
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        ready, _, _ = select.select([stream], [], [], 0.2)
         if not ready:
             if proc.poll() is not None:
                 break
             continue
-        ch = os.read(proc.stdout.fileno(), 1)
+        ch = os.read(stream.fileno(), 1)
         if not ch:
             break
         if ch == b"\n":
-            line = buf.decode()
+            line = buf.decode(errors="replace")
             buf = b""
-            if line.startswith(prefix):
+            if match(line):
                 return line
         else:
             buf += ch
-    err = proc.stderr.read().decode() if proc.poll() is not None else ""
-    raise AssertionError(f"no line starting {prefix!r} within {timeout}s; stderr: {err}")
+    return None
+
+
+def read_line(proc, prefix, timeout=20.0):
+    """Reads stdout lines until one starts with `prefix`; fails after `timeout` seconds."""
+    line = _line_from(proc, proc.stdout, lambda l: l.startswith(prefix), timeout)
+    if line is None:
+        err = proc.stderr.read().decode() if proc.poll() is not None else ""
+        raise AssertionError(f"no line starting {prefix!r} within {timeout}s; stderr: {err}")
+    return line
+
+
+def read_log(proc, needle, timeout=10.0):
+    """Reads stderr (the log) until a line contains `needle`; fails after `timeout` seconds."""
+    line = _line_from(proc, proc.stderr, lambda l: needle in l, timeout)
+    assert line is not None, f"no log line with {needle!r} within {timeout}s"
+    return line
+
+
+def wait_for(pred, timeout=5.0):
+    """Polls `pred` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
 
 
 def http_json(method, url, body=None, headers=None):

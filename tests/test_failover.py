@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from conftest import MODELS
+from conftest import MODELS, wait_for
 from wire import BODIES, error_of, post
 
 
@@ -455,15 +455,6 @@ def test_b2_concurrency_per_key_waits_two_seconds_then_refuses(gateway_factory):
     assert gw.sim.stats(ch)["max_in_flight"] == 1
 
 
-def wait_for(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not reached")
-
-
 # --- C1-C4: the capacity queue ---------------------------------------------------------------------
 
 CAPACITY_BUSY = "All upstream capacity for this model is busy. Retry shortly."
@@ -475,7 +466,7 @@ def occupy(gw, fmt, channel, latency_ms):
     gw.sim.set(channel, latency_ms=latency_ms)
     th = threading.Thread(target=lambda: post(gw, fmt, gw.key, json=BODIES[fmt], timeout=30))
     th.start()
-    wait_for(lambda: gw.sim.stats(channel)["in_flight"] == 1)
+    assert wait_for(lambda: gw.sim.stats(channel)["in_flight"] == 1)
     return th
 
 
@@ -485,7 +476,7 @@ def row_by_client_id(gw, client_id):
         with gw.db() as con:
             return con.execute("SELECT * FROM requests WHERE client_request_id = ? AND state = 'failed'",
                                (client_id,)).fetchone()
-    wait_for(find)
+    assert wait_for(find)
     return find()
 
 
@@ -580,7 +571,7 @@ def test_b1_a_stream_holds_its_key_slot_until_it_ends(gateway_factory):
     done = []
     th = threading.Thread(target=lambda: done.append(stream_post(gw, "anthropic")))
     th.start()
-    wait_for(lambda: gw.sim.stats(ch)["in_flight"] == 1)
+    assert wait_for(lambda: gw.sim.stats(ch)["in_flight"] == 1)
     r = post(gw, "openai", gw.key, json=BODIES["openai"], timeout=30)
     assert r.status_code == 429 and error_of("openai", r.json())[1] == KEY_LIMITED
     th.join(timeout=30)

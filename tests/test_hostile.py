@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from conftest import wait_for
 from wire import BODIES, error_of, post
 
 
@@ -61,15 +62,6 @@ def read_response(s, timeout=5.0):
         assert chunk
         body += chunk
     return status, headers, body
-
-
-def wait_for(pred, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # --- connection limits -------------------------------------------------------------------

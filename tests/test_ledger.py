@@ -11,21 +11,12 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODELS, start_gateway, stop
+from conftest import MODELS, start_gateway, stop, wait_for
 
 
 def chat(gw, **kw):
     return openai.OpenAI(base_url=gw.url + "/v1", api_key=gw.key, max_retries=0).chat.completions.create(
         model=MODELS["openai"], messages=[{"role": "user", "content": "hi"}], **kw)
-
-
-def wait_for(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def calling_api_rows(gw):

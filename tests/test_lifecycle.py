@@ -4,7 +4,6 @@ once; a second instance on the same ledger is refused before it touches a row; t
 console ships inside the binary."""
 
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -13,17 +12,8 @@ import time
 
 import httpx
 
-from conftest import BIN, clean_env, read_line, start_gateway, stop
+from conftest import BIN, clean_env, read_line, read_log, start_gateway, stop, wait_for
 from wire import BODIES, post
-
-
-def wait_for(pred, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def rows_in(gw, state):
@@ -86,23 +76,6 @@ def test_sigterm_with_a_console_stream_open_drains_and_records_everything(gatewa
     gw.sim.set(stuck)
 
 
-def stderr_line(proc, needle, timeout=10.0):
-    """Reads the process's stderr until a line contains `needle`."""
-    deadline = time.monotonic() + timeout
-    buf = b""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stderr], [], [], 0.2)
-        if not ready:
-            continue
-        chunk = os.read(proc.stderr.fileno(), 4096)
-        if not chunk:
-            break
-        buf += chunk
-        if needle.encode() in buf:
-            return
-    raise AssertionError(f"no stderr line with {needle!r}: {buf[-2000:]!r}")
-
-
 def test_a_second_signal_exits_at_once(gateway_factory):
     gw = gateway_factory(extra_yaml="server: {drain_timeout_ms: 30000}")
     ch = gw.channel("openai")
@@ -111,7 +84,7 @@ def test_a_second_signal_exits_at_once(gateway_factory):
     assert wait_for(lambda: len(rows_in(gw, "calling_api")) == 1, 5)
     gw.proc.send_signal(signal.SIGINT)
     # The first signal drains (the request is still running)...
-    stderr_line(gw.proc, "shutting down")
+    read_log(gw.proc, "shutting down")
     assert gw.proc.poll() is None
     t = time.monotonic()
     gw.proc.send_signal(signal.SIGINT)

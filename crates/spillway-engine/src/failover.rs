@@ -8,16 +8,16 @@
 
 use crate::clock;
 use crate::error::GatewayError;
-use crate::life::{End, Life};
+use crate::life::{Answer, End, Life, ProviderRefusal};
 use crate::retry::{self, Decision, Failure, Retryability, Stop};
 use crate::routing::{self, Admitted};
 use crate::state::{AppState, ChannelRt, Severity};
 use crate::stream::Primed;
 use crate::trace::TraceContext;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, StatusCode, Uri};
+use http::{HeaderMap, Uri};
 use spillway_ledger::{AttemptRecord, Decision as Recorded};
-use spillway_wire::{ErrorClass, ErrorKind, Format, ParsedRequest, Signal, Usage};
+use spillway_wire::{ErrorClass, ErrorKind, Format, ParsedRequest, Signal};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,22 +47,11 @@ pub struct Ctx {
 /// What one upstream call brought back.
 pub enum Attempt {
     /// A complete answer.
-    Answer {
-        status: StatusCode,
-        content_type: HeaderValue,
-        body: Bytes,
-        usage: Usage,
-        att: AttemptRecord,
-    },
+    Answer(Answer),
     /// A stream that showed output (or ended cleanly without any).
     Stream(Box<Primed>),
     /// The provider's own 400/404/413/422 (D3): the client gets it as it came.
-    Rejected {
-        status: StatusCode,
-        body: Bytes,
-        att: AttemptRecord,
-        signal: Signal,
-    },
+    Rejected(ProviderRefusal),
     /// The attempt failed before the client saw anything.
     Failed { att: AttemptRecord, signal: Signal },
 }
@@ -163,35 +152,9 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
         let outcome = caller.call(&st, ctx, att, admitted).await;
         life.attempt_returned();
         let (mut att, mut signal) = match outcome {
-            Attempt::Answer {
-                status,
-                content_type,
-                body,
-                usage,
-                att,
-            } => {
-                return End::Answer {
-                    status,
-                    content_type,
-                    body,
-                    usage,
-                    att,
-                };
-            }
+            Attempt::Answer(a) => return End::Answer(a),
             Attempt::Stream(p) => return End::Stream(p),
-            Attempt::Rejected {
-                status,
-                body,
-                att,
-                signal,
-            } => {
-                return End::PassThrough {
-                    status,
-                    body,
-                    att,
-                    signal,
-                };
-            }
+            Attempt::Rejected(r) => return End::PassThrough(r),
             Attempt::Failed { att, signal } => (att, signal),
         };
         // A provider asking for an absurd wait is taken to mean the longest wait believed.

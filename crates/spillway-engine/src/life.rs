@@ -28,26 +28,32 @@ use spillway_wire::{ErrorClass, Signal, UnixMs, Usage};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// A complete answer from the provider, with its attempt.
+pub struct Answer {
+    pub status: StatusCode,
+    pub content_type: HeaderValue,
+    pub body: Bytes,
+    pub usage: Usage,
+    pub att: AttemptRecord,
+}
+
+/// The provider's own 400/404/413/422 (D3): it goes back to the client as it came.
+pub struct ProviderRefusal {
+    pub status: StatusCode,
+    pub body: Bytes,
+    pub att: AttemptRecord,
+    pub signal: Signal,
+}
+
 /// How a request ended, as the attempt loop (or ingress) reports it.
 pub enum End {
     /// A complete answer from the provider.
-    Answer {
-        status: StatusCode,
-        content_type: HeaderValue,
-        body: Bytes,
-        usage: Usage,
-        att: AttemptRecord,
-    },
+    Answer(Answer),
     /// A stream that showed output (or ended cleanly without): it is passed on, and the
     /// record closes when the stream ends.
     Stream(Box<Primed>),
     /// The provider's own 400/404/413/422, returned as it came (D3).
-    PassThrough {
-        status: StatusCode,
-        body: Bytes,
-        att: AttemptRecord,
-        signal: Signal,
-    },
+    PassThrough(ProviderRefusal),
     /// The request failed: refused by the gateway, or the upstream failed and the loop
     /// stopped. `class` is the upstream class of the last attempt, when the failure is
     /// the provider's; `att` that attempt, with the decision that ended the loop.
@@ -236,13 +242,13 @@ impl Life {
         let format = self.rec.format;
         let now = clock::now();
         match end {
-            End::Answer {
+            End::Answer(Answer {
                 status,
                 content_type,
                 body,
                 usage,
                 mut att,
-            } => {
+            }) => {
                 apply_usage(&mut self.rec, &mut att, &usage);
                 att.finished_at = Some(now);
                 att.decision = Some(Decision::Done);
@@ -259,12 +265,12 @@ impl Life {
                 self.settle(Some(att)).await;
                 out
             }
-            End::PassThrough {
+            End::PassThrough(ProviderRefusal {
                 status,
                 body,
                 mut att,
                 signal,
-            } => {
+            }) => {
                 att.finished_at = Some(now);
                 att.decision = Some(Decision::PassedThrough);
                 att.decision_reason = Some(StopReason::NotRetryable);

@@ -178,13 +178,13 @@ impl Caller for Scripted {
             Step::Answer => {
                 att.http_status = Some(200);
                 att.error_class = ErrorClass::Success;
-                Attempt::Answer {
+                Attempt::Answer(crate::life::Answer {
                     status: StatusCode::OK,
                     content_type: HeaderValue::from_static("application/json"),
                     body: Bytes::from_static(b"{\"ok\":true}"),
                     usage: Usage::default(),
                     att,
-                }
+                })
             }
             Step::Hang => {
                 std::future::pending::<()>().await;

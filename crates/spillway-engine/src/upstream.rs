@@ -5,6 +5,7 @@
 
 use crate::clock;
 use crate::failover::{Attempt, Caller, Ctx};
+use crate::life::{Answer, ProviderRefusal};
 use crate::routing::Admitted;
 use crate::state::AppState;
 use crate::stream::{ByteStream, Primed};
@@ -233,7 +234,7 @@ impl Caller for HttpCaller {
             ErrorClass::Success => {
                 let usage = json.as_ref().map(|v| Usage::from_json(format, v)).unwrap_or_default();
                 apply_signal(&mut att, &signal);
-                Attempt::Answer {
+                Attempt::Answer(Answer {
                     status,
                     content_type: up_headers
                         .get(header::CONTENT_TYPE)
@@ -242,17 +243,17 @@ impl Caller for HttpCaller {
                     body,
                     usage,
                     att,
-                }
+                })
             }
             // D3: the provider's own 400/404/413/422 goes back as it came.
             ErrorClass::InvalidRequest => {
                 apply_signal(&mut att, &signal);
-                Attempt::Rejected {
+                Attempt::Rejected(ProviderRefusal {
                     status,
                     body,
                     att,
                     signal,
-                }
+                })
             }
             _ => failed(att, signal),
         }
