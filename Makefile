@@ -93,13 +93,14 @@ run: ui
 	fi
 
 ## The desktop installers (.deb and AppImage) with Tauri's bundler, into
-## target/release/bundle/. The AppImage step fetches linuxdeploy from GitHub on its first
+## target/release/bundle/; the binary in them is stripped (the bench's release builds keep
+## their symbols for perf). The AppImage step fetches linuxdeploy from GitHub on its first
 ## run; where that is unreachable only the .deb is built (and the step says so).
 package: deps-desktop ui
 	@command -v cargo-tauri >/dev/null || [ -x $$HOME/.cargo/bin/cargo-tauri ] || { \
 		echo "==> installing tauri-cli"; $(CARGO) install tauri-cli --version "^2" --locked; }
-	cd src-tauri && $(CARGO) tauri build --bundles deb
-	@cd src-tauri && if $(CARGO) tauri build --bundles appimage; then :; else \
+	cd src-tauri && CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=symbols $(CARGO) tauri build --bundles deb
+	@cd src-tauri && if CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=symbols $(CARGO) tauri build --bundles appimage; then :; else \
 		echo "==> the AppImage could not be built here (its tools come from GitHub); the .deb is in target/release/bundle/deb/"; fi
 	@ls -1 target/release/bundle/*/* 2>/dev/null
 
