@@ -8,6 +8,11 @@
 //!   response (a stream above all) is dropped, and its channel and key slots come free; the
 //!   request is recorded as `client_stalled`.
 //!
+//! The watchdog costs the request path nothing: the socket and the request only stamp
+//! times into atomics, and the watchdog reads them when it wakes — at the soonest deadline
+//! the stamps allow, and at least every half of the shortest limit, so a deadline that a
+//! newer stamp brings forward is still met on time (each is longer than that interval).
+//!
 //! Shutdown is two steps ([`crate::state::Shutdown`]): draining stops the accept loop and
 //! asks each connection to finish gracefully; cancelling drops what is left.
 
@@ -28,7 +33,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
@@ -52,7 +57,6 @@ pub struct ConnState {
     h2: AtomicBool,
     /// How much of the HTTP/2 preface the first bytes matched so far (`u32::MAX`: not it).
     preface: AtomicU32,
-    kick: Notify,
 }
 
 impl ConnState {
@@ -69,7 +73,6 @@ impl ConnState {
             stalled: AtomicBool::new(false),
             h2: AtomicBool::new(false),
             preface: AtomicU32::new(0),
-            kick: Notify::new(),
         }
     }
 
@@ -91,7 +94,6 @@ impl ConnState {
         if self.busy.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.idle_since.store(self.ms(), Ordering::Release);
             self.head_at.store(0, Ordering::Release);
-            self.kick.notify_one();
         }
     }
 
@@ -108,7 +110,6 @@ impl ConnState {
                 self.h2.store(true, Ordering::Release);
                 // The preface is not a request head: an HTTP/2 client is idle until it asks.
                 self.head_at.store(0, Ordering::Release);
-                self.kick.notify_one();
             } else {
                 self.preface.store((seen + n) as u32, Ordering::Release);
             }
@@ -118,14 +119,12 @@ impl ConnState {
         }
         if self.busy.load(Ordering::Acquire) == 0 && self.head_at.load(Ordering::Acquire) == 0 {
             self.head_at.store(self.ms() + 1, Ordering::Release);
-            self.kick.notify_one();
         }
     }
 
     fn write_pending(&self) {
         if self.write_blocked.load(Ordering::Acquire) == 0 {
             self.write_blocked.store(self.ms() + 1, Ordering::Release);
-            self.kick.notify_one();
         }
     }
 
@@ -170,6 +169,13 @@ struct Limits {
     header: Duration,
     idle: Duration,
     write: Duration,
+}
+
+impl Limits {
+    /// How often the watchdog looks again at the latest: half the shortest limit.
+    fn recheck(&self) -> Duration {
+        self.header.min(self.idle).min(self.write) / 2
+    }
 }
 
 /// A client socket that tells the watchdog when bytes arrive and when writes stall.
@@ -388,38 +394,51 @@ pub async fn serve(listener: TcpListener, router: Router, st: Arc<AppState>) {
             let _slot = slot;
             let conn_fut = builder.serve_connection(io, svc);
             tokio::pin!(conn_fut);
-            let mut draining = false;
+            // Registered once per connection, not at every wake-up.
+            let draining = st.shutdown.draining.cancelled();
+            tokio::pin!(draining);
+            let cancel = st.shutdown.cancel.cancelled();
+            tokio::pin!(cancel);
+            let wake = tokio::time::sleep(limits.recheck());
+            tokio::pin!(wake);
+            let mut drained = false;
             // Once the shutdown cuts requests, their answers (a 503, a stream's closing
             // error event) get a moment to be written before the connection goes.
             let mut last_call: Option<Instant> = None;
             loop {
-                let deadline = conn.deadline(&limits);
                 tokio::select! {
                     _ = &mut conn_fut => break,
-                    _ = sleep_until(last_call) => break,
-                    _ = st.shutdown.cancel.cancelled(), if last_call.is_none() => {
-                        last_call = Some(Instant::now() + Duration::from_secs(1));
-                        if !draining {
-                            draining = true;
+                    _ = &mut cancel, if last_call.is_none() => {
+                        let t = Instant::now() + Duration::from_secs(1);
+                        last_call = Some(t);
+                        wake.as_mut().reset(t);
+                        if !drained {
+                            drained = true;
                             conn_fut.as_mut().graceful_shutdown();
                         }
                     }
-                    _ = st.shutdown.draining.cancelled(), if !draining => {
-                        draining = true;
+                    _ = &mut draining, if !drained => {
+                        drained = true;
                         conn_fut.as_mut().graceful_shutdown();
                     }
-                    _ = conn.kick.notified() => {}
-                    _ = sleep_until(deadline.map(|d| d.0)) => {
-                        // Re-read: the state may have moved on since the deadline was set.
-                        if let Some((at, why)) = conn.deadline(&limits)
-                            && at <= Instant::now()
-                        {
-                            if why == Expiry::Stalled {
-                                conn.stalled.store(true, Ordering::Release);
-                                tracing::info!(peer = %conn.peer, "client stopped reading its answer; connection closed");
-                            }
+                    _ = &mut wake => {
+                        let now = Instant::now();
+                        if last_call.is_some_and(|t| t <= now) {
                             break;
                         }
+                        let next = match conn.deadline(&limits) {
+                            Some((at, why)) if at <= now => {
+                                if why == Expiry::Stalled {
+                                    conn.stalled.store(true, Ordering::Release);
+                                    tracing::info!(peer = %conn.peer, "client stopped reading its answer; connection closed");
+                                }
+                                break;
+                            }
+                            Some((at, _)) => at.min(now + limits.recheck()),
+                            None => now + limits.recheck(),
+                        };
+                        let next = last_call.map_or(next, |t| next.min(t));
+                        wake.as_mut().reset(next);
                     }
                 }
             }
@@ -450,11 +469,4 @@ fn refuse(stream: TcpStream, refusers: &Arc<Semaphore>) {
         })
         .await;
     });
-}
-
-async fn sleep_until(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
 }

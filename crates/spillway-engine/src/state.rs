@@ -89,7 +89,8 @@ impl Shutdown {
     }
 
     pub fn closed(&self) {
-        if self.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+        // Only a shutdown waits for the count to reach zero: no wake-up otherwise.
+        if self.open.fetch_sub(1, Ordering::AcqRel) == 1 && self.draining.is_cancelled() {
             self.closed.notify_waiters();
         }
     }

@@ -213,15 +213,14 @@ impl Active {
     }
 }
 
-/// What the response body and its stall watchdog share.
+/// What the response body and its stall watchdog share. The body only stamps times; the
+/// watchdog reads them when it wakes (no wake-up per chunk).
 struct Shared {
     active: std::sync::Mutex<Option<Active>>,
     base: Instant,
     /// 1 + milliseconds since `base` when the body last handed a chunk over and has not
     /// been asked for the next since; 0 while it is being asked (or waiting upstream).
     handed: std::sync::atomic::AtomicU64,
-    /// Wakes the watchdog when a chunk is handed over or the stream ends.
-    note: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -258,7 +257,6 @@ impl StreamBody {
             active: std::sync::Mutex::new(Some(Active { primed, life })),
             base: Instant::now(),
             handed: Default::default(),
-            note: tokio::sync::Notify::new(),
         });
         tokio::spawn(watch_stalls(std::sync::Arc::downgrade(&shared), write_timeout));
         StreamBody {
@@ -284,7 +282,6 @@ impl StreamBody {
         if let Some(a) = self.shared.take() {
             a.finish(end);
         }
-        self.shared.note.notify_one();
     }
 
     fn end_with_error(&self, end: StreamEnd, message: &str) -> Poll<Option<std::io::Result<Bytes>>> {
@@ -296,41 +293,41 @@ impl StreamBody {
     fn handed_over(&self, chunk: Bytes) -> Poll<Option<std::io::Result<Bytes>>> {
         let ms = self.shared.base.elapsed().as_millis() as u64;
         self.shared.handed.store(ms + 1, std::sync::atomic::Ordering::Release);
-        self.shared.note.notify_one();
         Poll::Ready(Some(Ok(chunk)))
     }
 }
 
 /// Closes the stream's request when a chunk it handed over is not followed by a request
-/// for the next within `limit` (the client stopped reading).
+/// for the next within `limit` (the client stopped reading). It looks at least every half
+/// `limit`, and sleeps exactly to the deadline once a chunk waits, so it is never late.
 async fn watch_stalls(shared: std::sync::Weak<Shared>, limit: Duration) {
     use std::sync::atomic::Ordering;
+    let mut wait = limit / 2;
     loop {
+        tokio::time::sleep(wait).await;
         let Some(sh) = shared.upgrade() else { return };
-        let note = sh.note.notified();
-        tokio::pin!(note);
-        note.as_mut().enable();
-        if sh.active.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
-            return;
-        }
         let handed = sh.handed.load(Ordering::Acquire);
         if handed == 0 {
-            note.await;
+            if sh.active.lock().unwrap_or_else(|p| p.into_inner()).is_none() {
+                return;
+            }
+            wait = limit / 2;
             continue;
         }
         let deadline = sh.base + Duration::from_millis(handed - 1) + limit;
-        tokio::select! {
-            _ = note => continue,
-            _ = tokio::time::sleep_until(deadline) => {
-                if sh.handed.load(Ordering::Acquire) == handed
-                    && let Some(a) = sh.take()
-                {
-                    tracing::info!(request_id = %a.life.rec.id, "client stopped reading its stream; its slots are freed");
-                    a.finish(StreamEnd::Stalled);
-                    return;
-                }
-            }
+        let now = Instant::now();
+        if deadline > now {
+            wait = deadline - now;
+            continue;
         }
+        match sh.take() {
+            Some(a) => {
+                tracing::info!(request_id = %a.life.rec.id, "client stopped reading its stream; its slots are freed");
+                a.finish(StreamEnd::Stalled);
+            }
+            None => return,
+        }
+        return;
     }
 }
 
@@ -406,6 +403,5 @@ impl Drop for StreamBody {
             };
             a.finish(end);
         }
-        self.shared.note.notify_one();
     }
 }

@@ -30,6 +30,8 @@ pub enum Error {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("cannot create the ledger directory {path}: {source}")]
     Directory { path: String, source: std::io::Error },
+    #[error("cannot open the ledger's write-ahead log beside {path}: {source}")]
+    Wal { path: String, source: std::io::Error },
     #[error("the ledger writer has stopped")]
     WriterStopped,
     #[error("ledger unavailable: {0}")]
@@ -62,4 +64,10 @@ pub trait LedgerBackend: Send + Sync + 'static {
     /// Housekeeping the writer must not pay for on its commits (WAL checkpoints).
     /// Returns how many pages (WAL frames) it folded back into the database.
     async fn maintain(&self) -> Result<u64>;
+    /// Makes every batch written so far survive a power loss. The writer calls it, off
+    /// its own path, before it acknowledges a durable write; a store whose commits are
+    /// durable by themselves has nothing to do.
+    async fn sync(&self) -> Result<()> {
+        Ok(())
+    }
 }

@@ -166,6 +166,57 @@ impl Queue {
     }
 }
 
+/// Durable writes whose commit is done and whose sync is not: the syncer acknowledges them
+/// once a sync that started after their commit has finished. The writer goes on committing
+/// meanwhile, so one sync serves every commit made before it started.
+struct SyncQueue {
+    waiting: Mutex<Vec<(u64, oneshot::Sender<Result<()>>)>>,
+    /// The number of the last commit that has completed.
+    committed: std::sync::atomic::AtomicU64,
+    work: Notify,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl SyncQueue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(u64, oneshot::Sender<Result<()>>)>> {
+        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+async fn sync_loop(backend: Arc<dyn LedgerBackend>, q: Arc<SyncQueue>) {
+    use std::sync::atomic::Ordering;
+    loop {
+        let work = q.work.notified();
+        tokio::pin!(work);
+        work.as_mut().enable();
+        if q.lock().is_empty() {
+            if q.closed.load(Ordering::Acquire) {
+                return;
+            }
+            work.await;
+            continue;
+        }
+        // Every waiter queued so far belongs to a commit at or before this one.
+        let upto = q.committed.load(Ordering::Acquire);
+        let result = backend.sync().await;
+        if let Err(e) = &result {
+            tracing::error!(error = %e, "the ledger could not be synced; durable writes are refused");
+        }
+        let done: Vec<_> = {
+            let mut w = q.lock();
+            let (done, keep) = std::mem::take(&mut *w).into_iter().partition(|(seq, _)| *seq <= upto);
+            *w = keep;
+            done
+        };
+        for (_, ack) in done {
+            let _ = ack.send(match &result {
+                Ok(()) => Ok(()),
+                Err(e) => Err(Error::Unavailable(e.to_string())),
+            });
+        }
+    }
+}
+
 /// What the writer holds between taking operations and a successful commit.
 #[derive(Default)]
 struct Pending {
@@ -267,7 +318,14 @@ impl Ledger {
             space: Notify::new(),
         });
         let (health_tx, health) = watch::channel(LedgerHealth::healthy());
-        let writer = tokio::spawn(write_loop(backend.clone(), queue.clone(), health_tx));
+        let syncs = Arc::new(SyncQueue {
+            waiting: Mutex::new(Vec::new()),
+            committed: Default::default(),
+            work: Notify::new(),
+            closed: Default::default(),
+        });
+        let writer = tokio::spawn(write_loop(backend.clone(), queue.clone(), health_tx, syncs.clone()));
+        let syncer = tokio::spawn(sync_loop(backend.clone(), syncs));
         let b = backend.clone();
         let checkpoints = tokio::spawn(async move {
             let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
@@ -283,7 +341,7 @@ impl Ledger {
             queue,
             backend,
             health,
-            tasks: Arc::new(Mutex::new(vec![writer, checkpoints])),
+            tasks: Arc::new(Mutex::new(vec![writer, checkpoints, syncer])),
         }
     }
 
@@ -407,16 +465,24 @@ fn wall_now() -> UnixMs {
     UnixMs::from_system(SystemTime::now())
 }
 
-async fn write_loop(backend: Arc<dyn LedgerBackend>, queue: Arc<Queue>, health: watch::Sender<LedgerHealth>) {
+async fn write_loop(
+    backend: Arc<dyn LedgerBackend>,
+    queue: Arc<Queue>,
+    health: watch::Sender<LedgerHealth>,
+    syncs: Arc<SyncQueue>,
+) {
     let mut pending = Pending::default();
     let mut ops = Vec::with_capacity(MAX_BATCH);
     let mut failing = false;
+    let mut commits = 0u64;
     loop {
         if pending.is_empty() {
             queue.ready().await;
         }
         // Group commit: take whatever is queued (the spool permitting).
         if pending.rows() < SPOOL_MAX && queue.take(MAX_BATCH, &mut ops).is_none() && pending.is_empty() {
+            syncs.closed.store(true, std::sync::atomic::Ordering::Release);
+            syncs.work.notify_one();
             return;
         }
         let mut waited_on = ops.iter().any(Op::is_waited_on) || !pending.acks.is_empty();
@@ -457,7 +523,13 @@ async fn write_loop(backend: Arc<dyn LedgerBackend>, queue: Arc<Queue>, health: 
         match result {
             Ok(()) => {
                 pending.clear();
-                pending.answer(Ok(()));
+                // Acknowledged once synced (see SyncQueue), not before.
+                commits += 1;
+                if !pending.acks.is_empty() {
+                    syncs.committed.store(commits, std::sync::atomic::Ordering::Release);
+                    syncs.lock().extend(pending.acks.drain(..).map(|a| (commits, a)));
+                    syncs.work.notify_one();
+                }
                 if failing {
                     failing = false;
                     tracing::warn!("ledger writes succeed again; the spool is written");
@@ -635,7 +707,9 @@ mod tests {
         inner: SqliteBackend,
         refuse: AtomicBool,
         commits: AtomicUsize,
+        syncs: AtomicUsize,
         slow: Option<Duration>,
+        slow_sync: Option<Duration>,
     }
 
     #[async_trait]
@@ -665,6 +739,13 @@ mod tests {
         async fn maintain(&self) -> Result<u64> {
             self.inner.maintain().await
         }
+        async fn sync(&self) -> Result<()> {
+            if let Some(d) = self.slow_sync {
+                tokio::time::sleep(d).await;
+            }
+            self.syncs.fetch_add(1, Ordering::SeqCst);
+            self.inner.sync().await
+        }
     }
 
     async fn faulty(dir: &Path, slow: Option<Duration>, depth: usize) -> (Ledger, Arc<Faulty>) {
@@ -672,7 +753,9 @@ mod tests {
             inner: SqliteBackend::open(&dir.join("l.db")).await.unwrap(),
             refuse: AtomicBool::new(false),
             commits: AtomicUsize::new(0),
+            syncs: AtomicUsize::new(0),
             slow,
+            slow_sync: None,
         });
         (Ledger::start_with_depth(backend.clone(), depth), backend)
     }
@@ -725,6 +808,49 @@ mod tests {
         );
         assert_eq!(ledger.attempts("r3").await.unwrap().len(), 1);
         assert_eq!(ledger.health(), LedgerHealth::healthy());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn i3_a_durable_write_is_acknowledged_only_after_a_sync_that_covers_it() {
+        // spec: I3
+        // Syncs take 50 ms: every durable put waits for one that started after its commit,
+        // and writes that come meanwhile are committed and share the next sync.
+        let dir = tempfile::tempdir().unwrap();
+        let backend = Arc::new(Faulty {
+            inner: SqliteBackend::open(&dir.path().join("l.db")).await.unwrap(),
+            refuse: AtomicBool::new(false),
+            commits: AtomicUsize::new(0),
+            syncs: AtomicUsize::new(0),
+            slow: None,
+            slow_sync: Some(Duration::from_millis(50)),
+        });
+        let ledger = Ledger::start(backend.clone());
+        let t = std::time::Instant::now();
+        ledger
+            .put_request_durable(rec("first", RequestState::CallingApi))
+            .await
+            .unwrap();
+        assert!(t.elapsed() >= Duration::from_millis(50), "acknowledged before its sync");
+        assert_eq!(backend.syncs.load(Ordering::SeqCst), 1);
+        let mut puts = Vec::new();
+        for n in 0..200 {
+            let l = ledger.clone();
+            puts.push(tokio::spawn(async move {
+                l.put_request_durable(rec(&format!("r{n}"), RequestState::CallingApi))
+                    .await
+            }));
+        }
+        for p in puts {
+            p.await.unwrap().unwrap();
+        }
+        let syncs = backend.syncs.load(Ordering::SeqCst);
+        assert!(syncs < 40, "200 durable writes shared their syncs ({syncs})");
+        // A flush is durable too.
+        ledger.put_request(rec("last", RequestState::Done)).await.unwrap();
+        let before = backend.syncs.load(Ordering::SeqCst);
+        ledger.flush().await.unwrap();
+        assert!(backend.syncs.load(Ordering::SeqCst) > before);
+        ledger.close(Duration::from_secs(1)).await.unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
