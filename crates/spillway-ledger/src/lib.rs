@@ -70,4 +70,9 @@ pub trait LedgerBackend: Send + Sync + 'static {
     async fn sync(&self) -> Result<()> {
         Ok(())
     }
+    /// Whether [`LedgerBackend::sync`] has anything to do: without it, durable writes are
+    /// acknowledged as soon as they are committed.
+    fn needs_sync(&self) -> bool {
+        false
+    }
 }
