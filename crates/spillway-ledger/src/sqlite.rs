@@ -473,6 +473,10 @@ impl LedgerBackend for SqliteBackend {
         Ok(r.rows_affected())
     }
 
+    fn needs_sync(&self) -> bool {
+        self.wal.is_some()
+    }
+
     async fn sync(&self) -> Result<()> {
         let Some(wal) = self.wal.clone() else {
             return Ok(());
