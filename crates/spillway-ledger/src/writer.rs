@@ -92,38 +92,35 @@ impl Queue {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Queues `op` if there is room; gives it back when the queue is full.
+    fn try_push(&self, op: Op) -> Result<Option<Op>> {
+        let mut q = self.lock();
+        if q.closed {
+            return Err(Error::WriterStopped);
+        }
+        if q.ops.len() >= self.depth {
+            return Ok(Some(op));
+        }
+        q.ops.push_back(op);
+        drop(q);
+        self.work.notify_one();
+        Ok(None)
+    }
+
     /// Queues `op`, waiting while the queue is full.
     async fn push(&self, op: Op) -> Result<()> {
         // The common case takes the lock once and registers no waiter.
-        let op = {
-            let mut q = self.lock();
-            if q.closed {
-                return Err(Error::WriterStopped);
-            }
-            if q.ops.len() < self.depth {
-                q.ops.push_back(op);
-                drop(q);
-                self.work.notify_one();
-                return Ok(());
-            }
-            op
+        let Some(mut op) = self.try_push(op)? else {
+            return Ok(());
         };
         loop {
             let space = self.space.notified();
             tokio::pin!(space);
             space.as_mut().enable();
-            {
-                let mut q = self.lock();
-                if q.closed {
-                    return Err(Error::WriterStopped);
-                }
-                if q.ops.len() < self.depth {
-                    q.ops.push_back(op);
-                    drop(q);
-                    self.work.notify_one();
-                    return Ok(());
-                }
-            }
+            op = match self.try_push(op)? {
+                None => return Ok(()),
+                Some(op) => op,
+            };
             self.held_back.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             space.await;
         }
