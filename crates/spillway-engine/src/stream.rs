@@ -405,3 +405,115 @@ impl Drop for StreamBody {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(event: Option<&str>, data: &str) -> (SseEvent, Option<Value>) {
+        (
+            SseEvent {
+                event: event.map(str::to_owned),
+                data: data.to_owned(),
+            },
+            serde_json::from_str(data).ok(),
+        )
+    }
+
+    #[test]
+    fn h2_h3_first_visible_output_per_format() {
+        // spec: H2, H3
+        // A tool call is visible output from its first event: from there the stream is
+        // bound to its channel and fails closed (H3); role and usage chunks are not.
+        let cases = [
+            (
+                Format::OpenAi,
+                None,
+                r#"{"choices":[{"delta":{"role":"assistant","content":""}}]}"#,
+                false,
+            ),
+            (
+                Format::OpenAi,
+                None,
+                r#"{"choices":[{"delta":{"content":"Hi"}}]}"#,
+                true,
+            ),
+            (
+                Format::OpenAi,
+                None,
+                r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#,
+                true,
+            ),
+            (
+                Format::OpenAi,
+                None,
+                r#"{"choices":[],"usage":{"prompt_tokens":1}}"#,
+                false,
+            ),
+            (
+                Format::Anthropic,
+                Some("message_start"),
+                r#"{"type":"message_start"}"#,
+                false,
+            ),
+            (
+                Format::Anthropic,
+                Some("content_block_start"),
+                r#"{"content_block":{"type":"text","text":""}}"#,
+                false,
+            ),
+            (
+                Format::Anthropic,
+                Some("content_block_start"),
+                r#"{"content_block":{"type":"tool_use","name":"x"}}"#,
+                true,
+            ),
+            (
+                Format::Anthropic,
+                Some("content_block_delta"),
+                r#"{"delta":{"type":"text_delta","text":"Hi"}}"#,
+                true,
+            ),
+            (
+                Format::Gemini,
+                None,
+                r#"{"candidates":[{"content":{"parts":[{"text":"Hi"}]}}]}"#,
+                true,
+            ),
+            (
+                Format::Gemini,
+                None,
+                r#"{"candidates":[{"content":{"parts":[{"functionCall":{"name":"x"}}]}}]}"#,
+                true,
+            ),
+            (
+                Format::Gemini,
+                None,
+                r#"{"usageMetadata":{"promptTokenCount":3}}"#,
+                false,
+            ),
+        ];
+        for (format, event, data, expected) in cases {
+            let (e, j) = ev(event, data);
+            assert_eq!(carries_output(format, &e, j.as_ref()), expected, "{format} {data}");
+        }
+    }
+
+    #[test]
+    fn in_stream_errors_are_noticed() {
+        let (e, j) = ev(
+            Some("error"),
+            r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
+        );
+        let msg = |v: Option<&Value>| {
+            v.and_then(|e| e.get("message"))
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        };
+        assert_eq!(msg(stream_error(&e, j.as_ref())).as_deref(), Some("Overloaded"));
+        let (e, j) = ev(None, r#"{"error":{"message":"boom"}}"#);
+        assert_eq!(msg(stream_error(&e, j.as_ref())).as_deref(), Some("boom"));
+        let (e, j) = ev(Some("content_block_delta"), r#"{"error":"not an error event"}"#);
+        assert_eq!(stream_error(&e, j.as_ref()), None);
+    }
+}
