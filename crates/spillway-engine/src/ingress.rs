@@ -104,13 +104,8 @@ async fn host_guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -
         Some(h) if st.config.host_allowed(&h) => next.run(req).await,
         Some(_) => {
             let format = format_for_path(req.uri().path());
-            st.metrics.rejected(Rejection {
-                at: clock::now(),
-                reason: RejectReason::ForbiddenHost,
-                format,
-                peer: peer(&req),
-            });
-            GatewayError::ForbiddenHost.into_response(format)
+            let conn = req.extensions().get::<Arc<ConnState>>();
+            refuse_without_row(&st, format, conn, GatewayError::ForbiddenHost)
         }
     }
 }
@@ -126,12 +121,6 @@ async fn catch_panic(req: Request, next: Next) -> Response {
             GatewayError::Internal.into_response(format)
         }
     }
-}
-
-fn peer(req: &Request) -> Option<String> {
-    req.extensions()
-        .get::<Arc<ConnState>>()
-        .map(|c| c.peer.ip().to_string())
 }
 
 fn format_for_path(path: &str) -> Format {
@@ -214,14 +203,18 @@ fn authenticate(
     st.keys.get(&digest).cloned().ok_or(GatewayError::InvalidKey)
 }
 
-/// Refused before it had a key: counted and listed, no ledger row.
-fn refuse_unauthenticated(st: &AppState, format: Format, conn: Option<&Arc<ConnState>>, err: GatewayError) -> Response {
+/// Refused without a ledger row (no valid key, a foreign Host, a ledger refusing writes):
+/// counted and listed, answered in the caller's format.
+fn refuse_without_row(st: &AppState, format: Format, conn: Option<&Arc<ConnState>>, err: GatewayError) -> Response {
+    let reason = match err {
+        GatewayError::MissingKey(_) => RejectReason::MissingKey,
+        GatewayError::ForbiddenHost => RejectReason::ForbiddenHost,
+        GatewayError::LedgerUnavailable => RejectReason::LedgerUnavailable,
+        _ => RejectReason::InvalidKey,
+    };
     st.metrics.rejected(Rejection {
         at: clock::now(),
-        reason: match err {
-            GatewayError::MissingKey(_) => RejectReason::MissingKey,
-            _ => RejectReason::InvalidKey,
-        },
+        reason,
         format,
         peer: conn.map(|c| c.peer.ip().to_string()),
     });
@@ -287,18 +280,12 @@ async fn handle<C: Caller>(
     }
     let key = match authenticate(&st, format, &parts.headers, &parts.uri) {
         Ok(k) => k,
-        Err(e) => return refuse_unauthenticated(&st, format, conn.as_ref(), e),
+        Err(e) => return refuse_without_row(&st, format, conn.as_ref(), e),
     };
     // A ledger that refuses writes: 503 before anything else, counted, not recorded (its
     // spool is for the requests that were already running).
-    if !st.ledger.health().ok {
-        st.metrics.rejected(Rejection {
-            at: clock::now(),
-            reason: RejectReason::LedgerUnavailable,
-            format,
-            peer: conn.as_ref().map(|c| c.peer.ip().to_string()),
-        });
-        return GatewayError::LedgerUnavailable.into_response(format);
+    if !st.ledger.is_healthy() {
+        return refuse_without_row(&st, format, conn.as_ref(), GatewayError::LedgerUnavailable);
     }
     let id = parts
         .extensions
@@ -447,7 +434,7 @@ async fn list_models(State(st): State<Arc<AppState>>, req: Request) -> Response 
     };
     let conn = parts.extensions.get::<Arc<ConnState>>();
     if let Err(e) = authenticate(&st, format, headers, &parts.uri) {
-        return refuse_unauthenticated(&st, format, conn, e);
+        return refuse_without_row(&st, format, conn, e);
     }
     let models = models_for(&st, format);
     let body = match format {
@@ -466,7 +453,7 @@ async fn list_models_gemini(State(st): State<Arc<AppState>>, req: Request) -> Re
     let (parts, _) = req.into_parts();
     let conn = parts.extensions.get::<Arc<ConnState>>();
     if let Err(e) = authenticate(&st, Format::Gemini, &parts.headers, &parts.uri) {
-        return refuse_unauthenticated(&st, Format::Gemini, conn, e);
+        return refuse_without_row(&st, Format::Gemini, conn, e);
     }
     let models = models_for(&st, Format::Gemini);
     axum::Json(

@@ -83,7 +83,8 @@ pub struct Running {
     pub addr: SocketAddr,
     pub state: Arc<AppState>,
     server_done: watch::Receiver<bool>,
-    finished: tokio::sync::Mutex<Option<std::result::Result<(), String>>>,
+    /// One finish at a time (a second signal may come while the first is finishing).
+    finishing: tokio::sync::Mutex<()>,
 }
 
 impl Running {
@@ -118,12 +119,7 @@ impl Running {
     }
 
     async fn finish(&self) -> Result<()> {
-        let mut finished = self.finished.lock().await;
-        if let Some(r) = finished.as_ref() {
-            return r
-                .clone()
-                .map_err(|e| Error::Ledger(spillway_ledger::Error::Unavailable(e)));
-        }
+        let _one = self.finishing.lock().await;
         let st = &self.state;
         st.shutdown.cancel.cancel();
         // Cut requests record themselves as their tasks and connections let go of them.
@@ -135,9 +131,8 @@ impl Running {
         }
         let mut done = self.server_done.clone();
         let _ = tokio::time::timeout(Duration::from_secs(1), done.wait_for(|d| *d)).await;
-        let r = st.ledger.close(Duration::from_secs(5)).await;
-        *finished = Some(r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
-        Ok(r?)
+        // Closing twice is harmless: a second finish returns once the first has flushed.
+        Ok(st.ledger.close(Duration::from_secs(5)).await?)
     }
 }
 
@@ -189,7 +184,7 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
         addr,
         state,
         server_done,
-        finished: tokio::sync::Mutex::new(None),
+        finishing: tokio::sync::Mutex::new(()),
     })
 }
 

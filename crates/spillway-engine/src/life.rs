@@ -21,9 +21,7 @@ use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
-use spillway_ledger::{
-    AttemptRecord, Decision, FailureClass, GatewayClass, MAX_MESSAGE, RequestRecord, RequestState, StopReason, truncate,
-};
+use spillway_ledger::{AttemptRecord, Decision, FailureClass, GatewayClass, RequestRecord, RequestState, StopReason};
 use spillway_wire::{ErrorClass, Signal, UnixMs, Usage};
 use std::sync::Arc;
 use std::time::Duration;
@@ -151,25 +149,20 @@ impl Life {
     /// before anything leaves for the provider.
     pub async fn calling_api(&mut self, channel: &str, waited: Option<Duration>) -> Result<(), GatewayError> {
         let now = clock::now();
-        self.rec.state = RequestState::CallingApi;
-        self.rec.admitted_at = Some(now);
-        self.rec.served_model = self.rec.requested_model.clone();
-        self.rec.channel = Some(channel.to_owned());
-        self.rec.attempts = 1;
-        if let Some(w) = waited {
-            self.rec.queued_ms = Some(clock::ms(w));
-        }
-        if let Err(e) = self.st.ledger.put_request_durable(self.rec.clone()).await {
+        // The request only becomes this record once the ledger holds it: if it cannot,
+        // nothing went upstream and the record must not say otherwise.
+        let mut calling = self.rec.clone();
+        calling.state = RequestState::CallingApi;
+        calling.admitted_at = Some(now);
+        calling.served_model = calling.requested_model.clone();
+        calling.channel = Some(channel.to_owned());
+        calling.attempts = 1;
+        calling.queued_ms = waited.map(clock::ms);
+        if let Err(e) = self.st.ledger.put_request_durable(calling.clone()).await {
             tracing::error!(error = %e, request_id = %self.rec.id, "ledger unavailable; refusing to call upstream");
-            // Nothing went upstream: the record must not say otherwise.
-            self.rec.state = RequestState::Received;
-            self.rec.admitted_at = None;
-            self.rec.served_model = None;
-            self.rec.channel = None;
-            self.rec.attempts = 0;
-            self.rec.queued_ms = None;
             return Err(GatewayError::LedgerUnavailable);
         }
+        self.rec = calling;
         if let Some(r) = &self.route {
             if let Some(w) = waited {
                 self.st.metrics.waited(r, clock::ms(w));
@@ -275,11 +268,7 @@ impl Life {
                 att.decision = Some(Decision::PassedThrough);
                 att.decision_reason = Some(StopReason::NotRetryable);
                 self.rec.upstream_request_id = att.upstream_request_id.clone();
-                let message = signal
-                    .message
-                    .clone()
-                    .map(|m| truncate(m, MAX_MESSAGE))
-                    .unwrap_or_default();
+                let message = signal.message.clone().unwrap_or_default();
                 self.rec.fail(Some(status.as_u16()), signal.class, message, now);
                 let mut out = Response::new(Body::from(body));
                 *out.status_mut() = status;
@@ -304,7 +293,7 @@ impl Life {
                 }
                 // Nobody receives an answer to a client that left.
                 let status = (!gone).then(|| err.kind().status());
-                self.rec.fail(status, class, truncate(message, MAX_MESSAGE), now);
+                self.rec.fail(status, class, message, now);
                 if !self.admitted {
                     // C3: nothing went upstream, so nothing is billed.
                     self.rec.cost_usd = Some(0.0);
@@ -433,7 +422,6 @@ impl Life {
                 att.decision = Some(Decision::Done);
             }
             Some((class, message, state)) => {
-                let message = truncate(message, MAX_MESSAGE);
                 self.rec.end(state, Some(200), class, message.clone(), now);
                 // H2: output the client already saw is committed; it is never replayed.
                 self.rec.partial_output_committed = watch.first_token_at.is_some();
@@ -490,7 +478,9 @@ impl Life {
 
     fn finish_figures(&mut self) {
         let at = self.rec.finished_at.unwrap_or_else(clock::now);
-        self.st.metrics.finished(&self.rec, self.admitted, at);
+        self.st
+            .metrics
+            .finished(&self.rec, self.route.as_ref(), self.admitted, at);
     }
 
     fn release(&mut self) {

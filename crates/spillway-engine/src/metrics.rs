@@ -286,8 +286,21 @@ impl Metrics {
         inner.routes.entry(key).or_insert_with_key(RouteFigures::new)
     }
 
-    /// A request ended. `admitted` says whether [`Metrics::started`] saw it.
-    pub fn finished(&self, rec: &RequestRecord, admitted: bool, now: UnixMs) {
+    /// The row `k` was counted in: its own, or its provider's shared row when it came past
+    /// [`MAX_ROUTES`]. None for a route that never started or queued.
+    fn row<'a>(inner: &'a mut Inner, k: &RouteKey) -> Option<&'a mut RouteFigures> {
+        if inner.routes.contains_key(k) {
+            return inner.routes.get_mut(k);
+        }
+        let other = RouteKey {
+            model: OTHER_MODELS.to_owned(),
+            ..k.clone()
+        };
+        inner.routes.get_mut(&other)
+    }
+
+    /// A request of `route` ended. `admitted` says whether [`Metrics::started`] saw it.
+    pub fn finished(&self, rec: &RequestRecord, route: Option<&RouteKey>, admitted: bool, now: UnixMs) {
         if admitted {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
         }
@@ -302,20 +315,7 @@ impl Metrics {
             s.latency[bucket_of(latency)] += 1;
             // Only routes a request reached a channel of (or queued for) have a row: a
             // refused request naming a model nobody serves adds none.
-            let key = RouteKey::of(rec);
-            let key = key.map(|k| {
-                if inner.routes.contains_key(&k) {
-                    k
-                } else {
-                    RouteKey {
-                        model: OTHER_MODELS.to_owned(),
-                        ..k
-                    }
-                }
-            });
-            if let Some(k) = key
-                && let Some(r) = inner.routes.get_mut(&k)
-            {
+            if let Some(r) = route.and_then(|k| Self::row(inner, k)) {
                 if admitted {
                     r.in_flight -= 1;
                 }
@@ -440,8 +440,9 @@ mod tests {
                 },
                 base * 1000 + i * 10,
             );
-            m.started(&RouteKey::of(&r).unwrap(), r.received_at);
-            m.finished(&r, true, UnixMs(base * 1000 + i * 10 + 100));
+            let k = RouteKey::of(&r).unwrap();
+            m.started(&k, r.received_at);
+            m.finished(&r, Some(&k), true, UnixMs(base * 1000 + i * 10 + 100));
         }
         let s = m.series(base - 2, base + 1);
         assert_eq!(s.len(), 4);
@@ -466,7 +467,7 @@ mod tests {
             let r = rec(&format!("model-{i}"), RequestState::Done, 1_000);
             let k = RouteKey::of(&r).unwrap();
             m.started(&k, r.received_at);
-            m.finished(&r, true, UnixMs(2_000));
+            m.finished(&r, Some(&k), true, UnixMs(2_000));
         }
         let routes = m.routes();
         assert_eq!(routes.len(), MAX_ROUTES + 1);

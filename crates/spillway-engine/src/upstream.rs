@@ -58,9 +58,8 @@ pub(crate) fn apply_signal(att: &mut AttemptRecord, s: &Signal) {
     att.message = if s.class == ErrorClass::Auth {
         None
     } else {
-        s.message
-            .clone()
-            .map(|m| spillway_ledger::truncate(m, spillway_ledger::MAX_MESSAGE))
+        // The ledger's writer bounds every stored field.
+        s.message.clone()
     };
 }
 

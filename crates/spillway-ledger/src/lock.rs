@@ -15,7 +15,6 @@ use std::time::SystemTime;
 #[derive(Debug)]
 pub struct LedgerLock {
     _file: File,
-    path: PathBuf,
 }
 
 impl LedgerLock {
@@ -74,10 +73,6 @@ impl LedgerLock {
         file.seek(SeekFrom::Start(0)).map_err(err)?;
         file.write_all(who.as_bytes()).map_err(err)?;
         let _ = file.sync_data();
-        Ok(LedgerLock { _file: file, path })
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
+        Ok(LedgerLock { _file: file })
     }
 }

@@ -356,7 +356,12 @@ impl Ledger {
         }
     }
 
-    /// Whether commits are succeeding right now.
+    /// Whether commits are succeeding right now (the request path's check: no copy).
+    pub fn is_healthy(&self) -> bool {
+        self.health.borrow().ok
+    }
+
+    /// The ledger's health, for the console.
     pub fn health(&self) -> LedgerHealth {
         self.health.borrow().clone()
     }

@@ -453,9 +453,15 @@ impl Config {
     /// Whether `host` (a Host header or URL authority, port included or not) is one the
     /// listener answers: a loopback name or address, or one listed in `allowed_hosts`.
     pub fn host_allowed(&self, host: &str) -> bool {
-        let name = strip_port(host.trim()).trim_end_matches('.').to_ascii_lowercase();
+        let name = host_name(host);
         is_loopback_host(&name) || self.allowed_hosts.contains(&name)
     }
+}
+
+/// The name a Host header or URL authority names: without its port and a trailing dot,
+/// in lower case (`Localhost.:8787` is `localhost`, `[::1]:80` is `::1`).
+pub fn host_name(host: &str) -> String {
+    strip_port(host.trim()).trim_end_matches('.').to_ascii_lowercase()
 }
 
 /// `host[:port]` or `[v6]:port` without the port.
@@ -589,7 +595,7 @@ impl RawConfig {
         let mut allowed_hosts = Vec::new();
         if let Some(hosts) = &self.allowed_hosts {
             for h in &hosts.value {
-                let name = strip_port(h.trim()).trim_end_matches('.').to_ascii_lowercase();
+                let name = host_name(h);
                 if !valid_host_name(&name) {
                     cx.err(hosts, "allowed_hosts", format!("`{h}` is not a host name"));
                 } else {
@@ -800,7 +806,7 @@ impl RawConfig {
                         ),
                     );
                 } else if base_url.starts_with("http://")
-                    && !is_loopback_host(&strip_port(host).to_ascii_lowercase())
+                    && !is_loopback_host(&host_name(host))
                     && !c.allow_plain_http.as_ref().is_some_and(|a| a.value)
                 {
                     // Prompts and the channel's key would cross the network in clear text.

@@ -233,11 +233,7 @@ fn host_of(req: &Request<Incoming>) -> Option<&str> {
 
 async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response<Body>, std::io::Error> {
     if let Some(host) = host_of(&req) {
-        let name = match host.strip_prefix('[') {
-            Some(v6) => v6.split(']').next().unwrap_or_default(),
-            None => host.rsplit_once(':').map_or(host, |(h, _)| h),
-        };
-        if !spillway_policy::is_loopback_host(&name.to_ascii_lowercase()) {
+        if !spillway_policy::is_loopback_host(&spillway_policy::host_name(host)) {
             return Ok(json_response(
                 StatusCode::FORBIDDEN,
                 &json!({"error": {"message": "the simulator answers loopback host names only"}}),
