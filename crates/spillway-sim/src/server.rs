@@ -232,13 +232,13 @@ fn host_of(req: &Request<Incoming>) -> Option<&str> {
 }
 
 async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response<Body>, std::io::Error> {
-    if let Some(host) = host_of(&req) {
-        if !spillway_policy::is_loopback_host(&spillway_policy::host_name(host)) {
-            return Ok(json_response(
-                StatusCode::FORBIDDEN,
-                &json!({"error": {"message": "the simulator answers loopback host names only"}}),
-            ));
-        }
+    if let Some(host) = host_of(&req)
+        && !spillway_policy::is_loopback_host(&spillway_policy::host_name(host))
+    {
+        return Ok(json_response(
+            StatusCode::FORBIDDEN,
+            &json!({"error": {"message": "the simulator answers loopback host names only"}}),
+        ));
     }
     let path = req.uri().path().to_owned();
     let query = req.uri().query().unwrap_or_default().to_owned();
