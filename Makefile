@@ -124,10 +124,11 @@ test: deps deps-browser ui build build-desktop lint
 	cd ui && PATH="$$HOME/.cargo/bin:$$PATH" xvfb-run -a -s "-screen 0 1400x900x24" npm run e2e:desktop
 	SPILLWAY_BIN=$(CURDIR)/target/debug/spillway $(VENV)/bin/pytest tests -q -p no:cacheprovider
 
-## Gateway overhead over the simulator at fixed rates and at saturation; JSON under bench/results/.
+## The gateway beside a bare forwarder (the yardstick), against the same simulator, with a
+## verdict line per performance target; JSON under bench/results/ (one file per run).
 bench: deps-system deps-rust
 	$(CARGO) build --release -p spillway-cli -p spillway-bench
-	./target/release/spillway-bench --spillway ./target/release/spillway --out bench/results
+	./target/release/spillway-bench --spillway ./target/release/spillway --forwarder ./target/release/bare-forwarder --out bench/results
 
 clean:
 	$(CARGO) clean

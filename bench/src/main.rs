@@ -1,13 +1,18 @@
-//! `make bench`: what the gateway adds on top of calling the simulator directly.
+//! `make bench`: what the gateway adds on top of calling the simulator directly, beside
+//! what a bare forwarder (`bare-forwarder`, the yardstick: a few dozen lines of hyper)
+//! adds in the same run against the same simulator, and a verdict line per target of
+//! issue 9's budget.
 //!
-//! Starts the real `spillway sim` and `spillway serve` (release build, SQLite ledger on)
-//! as processes on loopback, then measures with an open-loop load generator: requests
+//! Starts the real `spillway sim`, the forwarder and `spillway serve` (release build,
+//! SQLite ledger on, durable) as processes on loopback, and reads each process's CPU time
+//! and memory from `/proc`. Measures with an open-loop load generator: requests
 //! leave on a fixed schedule whether or not earlier ones have answered, so a slow server
 //! cannot slow the offered load down. Latency is taken from the moment each request is
 //! handed to the client (tokio's 1 ms timer would otherwise add up to 1 ms of send jitter
 //! to every sample). Reported: p50/p90/p99 at fixed rates, direct vs through the gateway, for
-//! non-streaming requests and for streams (time to first token); and the maximum
-//! throughput of each with a fixed number of concurrent clients.
+//! non-streaming requests and for streams (time to first token); the closed-loop
+//! throughput of each with a fixed number of connections; what 1,000 slow streams held at
+//! once cost in memory.
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
@@ -36,10 +41,22 @@ struct Args {
     /// Seconds measured per rate (after one second of warm-up).
     #[arg(long, default_value_t = 5)]
     seconds: u64,
-    /// Fixed request rates, requests per second.
-    #[arg(long, value_delimiter = ',', default_value = "500,1000,2000")]
+    /// The bare forwarder (the yardstick) built beside it.
+    #[arg(long, default_value = "target/release/bare-forwarder")]
+    forwarder: PathBuf,
+    /// Fixed request rates for non-streaming requests, requests per second.
+    #[arg(long, value_delimiter = ',', default_value = "500,2000,5000")]
     rates: Vec<u64>,
-    /// Concurrent clients for the maximum-throughput run.
+    /// Fixed request rates for streams (time to first token).
+    #[arg(long, value_delimiter = ',', default_value = "500,2000")]
+    stream_rates: Vec<u64>,
+    /// Slow streams held open at once, for memory (0 skips it).
+    #[arg(long, default_value_t = 1000)]
+    slow_streams: usize,
+    /// How long each slow stream lasts.
+    #[arg(long, default_value_t = 5.0)]
+    slow_stream_seconds: f64,
+    /// Connections of the closed-loop (maximum throughput) run.
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
     /// Rows in the ledger-search benchmark (0 skips it).
@@ -189,7 +206,10 @@ async fn commit_cost(commits: u64) -> Result<Vec<CommitCost>> {
     use spillway_wire::{Format, UnixMs};
     let mut out = Vec::new();
     for (name, d) in [
-        ("survives a power loss (WAL synced; the gateway's)", Durability::Full),
+        (
+            "survives a power loss (WAL synced by the commit; the gateway's)",
+            Durability::Full,
+        ),
         ("survives a process crash only (no sync)", Durability::ProcessCrashOnly),
     ] {
         let dir = work_dir()?;
@@ -351,10 +371,6 @@ struct Percentiles {
     attempts_per_request: f64,
 }
 
-async fn fixed_rate(client: &HttpClient, url: &str, key: &str, stream: bool, rate: u64, secs: u64) -> Percentiles {
-    fixed_rate_with(client, url, key, body(stream), stream, rate, secs).await
-}
-
 async fn fixed_rate_with(
     client: &HttpClient,
     url: &str,
@@ -452,30 +468,204 @@ async fn max_throughput(client: &HttpClient, url: &str, key: &str, concurrency: 
     done.load(Ordering::Relaxed) as f64 / secs as f64
 }
 
+/// Clock ticks per second of `/proc/PID/stat`'s CPU times.
+fn clock_ticks() -> u64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .filter(|t| *t > 0)
+        .unwrap_or(100)
+}
+
+/// CPU time (user + system, every thread, exited ones included) a process has used, µs.
+fn cpu_us(pid: u32, tck: u64) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which may itself hold spaces and parentheses.
+    let f: Vec<&str> = s.get(s.rfind(')')? + 2..)?.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    Some(ticks * 1_000_000 / tck)
+}
+
+/// CPU time the threads of a process named `sqlx-sqlite-*` have used, µs: the ledger's
+/// SQLite work (its commits and their syncs), which the rest of the process waits on.
+fn ledger_cpu_us(pid: u32, tck: u64) -> Option<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if !comm.starts_with("sqlx-sqlite") {
+            continue;
+        }
+        let Some(stat) = std::fs::read_to_string(task.path().join("stat")).ok() else {
+            continue;
+        };
+        let Some(rest) = stat.rfind(')').and_then(|i| stat.get(i + 2..)) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let ticks = f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+            + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        total += ticks * 1_000_000 / tck;
+    }
+    Some(total)
+}
+
+/// Resident memory of a process, KiB.
+fn rss_kib(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// The three things measured side by side against the same simulator.
+#[derive(Clone)]
+struct Target {
+    base: String,
+    /// The process to take CPU and memory from (none for the simulator alone).
+    pid: Option<u32>,
+    /// The gateway routes by model; the simulator and the forwarder by path.
+    by_model: bool,
+}
+
+impl Target {
+    fn url(&self, channel: &str) -> String {
+        if self.by_model {
+            format!("{}/v1/chat/completions", self.base)
+        } else {
+            format!("{}/{channel}/v1/chat/completions", self.base)
+        }
+    }
+}
+
+/// One target in one phase: latency, and what the process spent on it.
+#[derive(Serialize, Clone)]
+struct Measured {
+    #[serde(flatten)]
+    lat: Percentiles,
+    /// CPU time the process used over the phase (warm-up included) ÷ requests sent, µs.
+    cpu_us_per_request: Option<f64>,
+    /// The same as a share of one core, %.
+    cpu_percent: Option<f64>,
+    /// Of `cpu_us_per_request`, what the ledger's SQLite threads used.
+    ledger_cpu_us_per_request: Option<f64>,
+    rss_kib_after: Option<u64>,
+}
+
+struct Meter {
+    pid: Option<u32>,
+    tck: u64,
+    cpu0: Option<u64>,
+    ledger0: Option<u64>,
+    t0: Instant,
+}
+
+impl Meter {
+    fn start(t: &Target, tck: u64) -> Meter {
+        Meter {
+            pid: t.pid,
+            tck,
+            cpu0: t.pid.and_then(|p| cpu_us(p, tck)),
+            ledger0: t.pid.and_then(|p| ledger_cpu_us(p, tck)),
+            t0: Instant::now(),
+        }
+    }
+
+    fn finish(self, lat: Percentiles, sent: u64) -> Measured {
+        let cpu = match (self.pid.and_then(|p| cpu_us(p, self.tck)), self.cpu0) {
+            (Some(b), Some(a)) => Some(b.saturating_sub(a)),
+            _ => None,
+        };
+        let ledger = match (self.pid.and_then(|p| ledger_cpu_us(p, self.tck)), self.ledger0) {
+            (Some(b), Some(a)) if b > 0 => Some(b.saturating_sub(a)),
+            _ => None,
+        };
+        let secs = self.t0.elapsed().as_secs_f64();
+        Measured {
+            lat,
+            cpu_us_per_request: cpu.map(|c| c as f64 / sent.max(1) as f64),
+            cpu_percent: cpu.map(|c| c as f64 / 1e6 / secs * 100.0),
+            ledger_cpu_us_per_request: ledger.map(|c| c as f64 / sent.max(1) as f64),
+            rss_kib_after: self.pid.and_then(rss_kib),
+        }
+    }
+}
+
+/// One open-loop phase: the simulator alone, then through the forwarder, then through
+/// Spillway, at the same rate.
 #[derive(Serialize)]
 struct Row {
     kind: &'static str,
     rate_rps: u64,
     direct: Percentiles,
-    gateway: Percentiles,
-    added_p50_us: i64,
-    added_p90_us: i64,
-    added_p99_us: i64,
+    forwarder: Measured,
+    spillway: Measured,
+    forwarder_added_p50_us: i64,
+    forwarder_added_p99_us: i64,
+    spillway_added_p50_us: i64,
+    spillway_added_p99_us: i64,
+}
+
+#[derive(Serialize)]
+struct ClosedLoop {
+    concurrency: usize,
+    direct_rps: f64,
+    forwarder_rps: f64,
+    spillway_rps: f64,
+    forwarder_cpu_us_per_request: Option<f64>,
+    spillway_cpu_us_per_request: Option<f64>,
+}
+
+/// Many slow streams open at once: what each process holds for them.
+#[derive(Serialize)]
+struct SlowStreams {
+    streams: usize,
+    seconds_each: f64,
+    forwarder: StreamsHeld,
+    spillway: StreamsHeld,
+}
+
+#[derive(Serialize)]
+struct StreamsHeld {
+    rss_kib_before: Option<u64>,
+    rss_kib_peak: Option<u64>,
+    completed: u64,
+    failed: u64,
+}
+
+/// One target of the issue's budget, met or not.
+#[derive(Serialize)]
+struct Verdict {
+    target: String,
+    met: bool,
+    measured: String,
+    limit: String,
 }
 
 #[derive(Serialize)]
 struct Report {
     when_unix: u64,
+    commit: String,
     machine: String,
     seconds_per_rate: u64,
+    fsync_p50_us: u64,
+    idle_rss_kib: IdleRss,
     rows: Vec<Row>,
-    max_throughput_direct_rps: f64,
-    max_throughput_gateway_rps: f64,
-    concurrency: usize,
-    ledger_rows: u64,
-    ledger_search: Vec<SearchTiming>,
+    closed_loop: ClosedLoop,
+    slow_streams: Option<SlowStreams>,
     failover: Option<FailoverRun>,
     commit_cost: Vec<CommitCost>,
+    ledger_rows: u64,
+    ledger_search: Vec<SearchTiming>,
+    verdicts: Vec<Verdict>,
+}
+
+#[derive(Serialize)]
+struct IdleRss {
+    forwarder: Option<u64>,
+    spillway: Option<u64>,
+    spillway_after_load: Option<u64>,
 }
 
 /// The failover scenario: two channels serving one model, each failing a share of its
@@ -499,6 +689,121 @@ fn us(v: u64) -> String {
     }
 }
 
+fn signed_us(v: i64) -> String {
+    if v < 0 {
+        format!("-{}", us(v.unsigned_abs()))
+    } else {
+        us(v as u64)
+    }
+}
+
+fn mib(kib: Option<u64>) -> String {
+    kib.map(|k| format!("{:.1} MiB", k as f64 / 1024.0))
+        .unwrap_or_else(|| "?".into())
+}
+
+/// The median time the disk under `target/` takes to make a 4 KiB write durable: what a
+/// synced ledger commit cannot go below.
+fn fsync_p50_us(samples: usize) -> Result<u64> {
+    use std::io::{Seek, SeekFrom, Write};
+    let dir = work_dir()?;
+    let mut f = std::fs::File::create(dir.path().join("fsync"))?;
+    let block = [7u8; 4096];
+    let mut times = Vec::with_capacity(samples);
+    for _ in 0..samples {
+        f.seek(SeekFrom::Start(0))?;
+        f.write_all(&block)?;
+        let t = Instant::now();
+        f.sync_data()?;
+        times.push(t.elapsed().as_micros() as u64);
+    }
+    times.sort_unstable();
+    Ok(times[times.len() / 2])
+}
+
+/// `streams` slow streams at once through `t`; samples its memory while they are open.
+async fn slow_streams(client: &HttpClient, t: &Target, key: &str, streams: usize) -> StreamsHeld {
+    let rss_before = t.pid.and_then(rss_kib);
+    let payload = body_for("bench-slow", true);
+    let url = t.url("slow");
+    let mut tasks = Vec::with_capacity(streams);
+    for _ in 0..streams {
+        let (client, url, key, payload) = (client.clone(), url.clone(), key.to_owned(), payload.clone());
+        tasks.push(tokio::spawn(async move {
+            one(&client, &url, &key, payload, Mode::Whole).await.is_ok()
+        }));
+    }
+    let mut peak = rss_before;
+    while tasks.iter().any(|t| !t.is_finished()) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if let Some(r) = t.pid.and_then(rss_kib) {
+            peak = Some(peak.unwrap_or(0).max(r));
+        }
+    }
+    let (mut completed, mut failed) = (0, 0);
+    for task in tasks {
+        match task.await {
+            Ok(true) => completed += 1,
+            _ => failed += 1,
+        }
+    }
+    StreamsHeld {
+        rss_kib_before: rss_before,
+        rss_kib_peak: peak,
+        completed,
+        failed,
+    }
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if b > 0.0 {
+        format!("{:.2}×", a / b)
+    } else {
+        "–".into()
+    }
+}
+
+/// How far `measured` is past `limit` (for a ceiling), as the verdict line says it.
+fn verdict(target: String, measured: f64, limit: f64, show: impl Fn(f64) -> String, floor: bool) -> Verdict {
+    let met = if floor { measured >= limit } else { measured <= limit };
+    Verdict {
+        target,
+        met,
+        measured: show(measured),
+        limit: format!("{} {}", if floor { "≥" } else { "≤" }, show(limit)),
+    }
+}
+
+fn verdict_line(v: &Verdict, measured: f64, limit: f64) -> String {
+    if v.met {
+        format!("verdict: {}: met ({}, limit {})", v.target, v.measured, v.limit)
+    } else {
+        let by = if limit > 0.0 {
+            format!("{:.0} %", ((measured - limit).abs() / limit) * 100.0)
+        } else {
+            "—".into()
+        };
+        format!(
+            "verdict: {}: MISSED by {by} ({}, limit {})",
+            v.target, v.measured, v.limit
+        )
+    }
+}
+
+fn git_commit() -> String {
+    let rev = Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    let dirty = Command::new("git")
+        .args(["status", "--porcelain", "--untracked-files=no"])
+        .output()
+        .map(|o| !o.stdout.is_empty())
+        .unwrap_or(false);
+    if dirty { format!("{rev}+changes") } else { rev }
+}
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
@@ -508,59 +813,148 @@ async fn main() -> Result<()> {
         }
         return Ok(());
     }
+    let tck = clock_ticks();
+    eprintln!("measuring the disk's fsync ...");
+    let fsync_us = fsync_p50_us(200)?;
     let dir = work_dir()?;
-    let (_sim, sim_url) = spawn(
+    let (sim, sim_url) = spawn(
         &args.spillway,
         &["sim", "--listen", "127.0.0.1:0"],
         &[],
         "spillway-sim listening on ",
     )?;
+    let (fwd, fwd_url) = spawn(
+        &args.forwarder,
+        &["--upstream", &sim_url],
+        &[],
+        "bare-forwarder listening on ",
+    )?;
     let key = "sk-bench-0123456789abcdef0123";
     let config = dir.path().join("gateway.yaml");
+    let channel = |name: &str, model: &str| {
+        format!(
+            "  - name: {name}\n    format: openai\n    base_url: {sim_url}/{name}\n    models: [{model}]\n    max_concurrency: 4096\n"
+        )
+    };
     std::fs::write(
         &config,
         format!(
-            "listen: 127.0.0.1:0\nledger: sqlite://{}\nserver: {{max_connections: 8192}}\nchannels:\n  - name: bench\n    format: openai\n    base_url: {sim_url}/bench\n    models: [gpt-4o-mini]\n    max_concurrency: 4096\n  - name: fo-a\n    format: openai\n    base_url: {sim_url}/fo-a\n    models: [bench-failover]\n    max_concurrency: 4096\n  - name: fo-b\n    format: openai\n    base_url: {sim_url}/fo-b\n    models: [bench-failover]\n    max_concurrency: 4096\nkeys:\n  - name: bench\n    owner: bench\n    secret_env: BENCH_KEY\nowners:\n  - name: bench\n    balance_usd: 1000000\n",
-            dir.path().join("ledger.db").display()
+            "listen: 127.0.0.1:0\nledger: sqlite://{}\nserver: {{max_connections: 8192}}\nchannels:\n{}{}{}{}keys:\n  - name: bench\n    owner: bench\n    secret_env: BENCH_KEY\nowners:\n  - name: bench\n    balance_usd: 1000000\n",
+            dir.path().join("ledger.db").display(),
+            channel("bench", "gpt-4o-mini"),
+            channel("slow", "bench-slow"),
+            channel("fo-a", "bench-failover"),
+            channel("fo-b", "bench-failover"),
         ),
     )?;
-    let (_gw, gw_url) = spawn(
+    let (gw, gw_url) = spawn(
         &args.spillway,
         &["serve", "--config", config.to_str().context("path")?],
         &[("BENCH_KEY", key)],
         "spillway listening on ",
     )?;
+    let _sim = sim;
+    let direct = Target {
+        base: sim_url.clone(),
+        pid: None,
+        by_model: false,
+    };
+    let forwarder = Target {
+        base: fwd_url,
+        pid: Some(fwd.0.id()),
+        by_model: false,
+    };
+    let spillway = Target {
+        base: gw_url.clone(),
+        pid: Some(gw.0.id()),
+        by_model: true,
+    };
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     let client: HttpClient = Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(1024)
+        .pool_max_idle_per_host(2048)
         .build(connector);
-    let direct = format!("{sim_url}/bench/v1/chat/completions");
-    let via = format!("{gw_url}/v1/chat/completions");
+    // Idle: started, settled, nothing sent yet.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let idle_fwd = forwarder.pid.and_then(rss_kib);
+    let idle_gw = spillway.pid.and_then(rss_kib);
 
+    let secs = args.seconds;
     let mut rows = Vec::new();
-    for (kind, stream) in [("non-streaming", false), ("streaming TTFT", true)] {
-        for &rate in &args.rates {
-            eprintln!("measuring {kind} at {rate} req/s ...");
-            let d = fixed_rate(&client, &direct, key, stream, rate, args.seconds).await;
-            let g = fixed_rate(&client, &via, key, stream, rate, args.seconds).await;
-            rows.push(Row {
-                kind,
-                rate_rps: rate,
-                added_p50_us: g.p50_us as i64 - d.p50_us as i64,
-                added_p90_us: g.p90_us as i64 - d.p90_us as i64,
-                added_p99_us: g.p99_us as i64 - d.p99_us as i64,
-                direct: d,
-                gateway: g,
-            });
+    let phases: Vec<(&'static str, bool, u64)> = args
+        .rates
+        .iter()
+        .map(|&r| ("non-streaming", false, r))
+        .chain(args.stream_rates.iter().map(|&r| ("streaming TTFT", true, r)))
+        // A rate of 0 skips the kind.
+        .filter(|p| p.2 > 0)
+        .collect();
+    for (kind, stream, rate) in phases {
+        eprintln!("measuring {kind} at {rate} req/s: direct, forwarder, spillway ...");
+        let payload = body(stream);
+        let sent = rate * (secs + 1);
+        let d = fixed_rate_with(&client, &direct.url("bench"), key, payload.clone(), stream, rate, secs).await;
+        let mut measured = Vec::new();
+        for t in [&forwarder, &spillway] {
+            let m = Meter::start(t, tck);
+            let lat = fixed_rate_with(&client, &t.url("bench"), key, payload.clone(), stream, rate, secs).await;
+            measured.push(m.finish(lat, sent));
         }
+        let g = measured.pop().context("spillway")?;
+        let f = measured.pop().context("forwarder")?;
+        rows.push(Row {
+            kind,
+            rate_rps: rate,
+            forwarder_added_p50_us: f.lat.p50_us as i64 - d.p50_us as i64,
+            forwarder_added_p99_us: f.lat.p99_us as i64 - d.p99_us as i64,
+            spillway_added_p50_us: g.lat.p50_us as i64 - d.p50_us as i64,
+            spillway_added_p99_us: g.lat.p99_us as i64 - d.p99_us as i64,
+            direct: d,
+            forwarder: f,
+            spillway: g,
+        });
     }
+
     eprintln!(
-        "measuring maximum throughput with {} concurrent clients ...",
+        "measuring closed-loop throughput with {} connections ...",
         args.concurrency
     );
-    let max_d = max_throughput(&client, &direct, key, args.concurrency, args.seconds).await;
-    let max_g = max_throughput(&client, &via, key, args.concurrency, args.seconds).await;
+    let mut closed = Vec::new();
+    for t in [&direct, &forwarder, &spillway] {
+        let m = Meter::start(t, tck);
+        let rps = max_throughput(&client, &t.url("bench"), key, args.concurrency, secs).await;
+        let cpu = m.finish(fixed_zero(), (rps * secs as f64) as u64).cpu_us_per_request;
+        closed.push((rps, cpu));
+    }
+    let closed_loop = ClosedLoop {
+        concurrency: args.concurrency,
+        direct_rps: closed[0].0,
+        forwarder_rps: closed[1].0,
+        spillway_rps: closed[2].0,
+        forwarder_cpu_us_per_request: closed[1].1,
+        spillway_cpu_us_per_request: closed[2].1,
+    };
+
+    let slow = if args.slow_streams > 0 {
+        let tokens = 10u32;
+        let behaviour = serde_json::json!({"output_tokens": tokens,
+            "tokens_per_second": tokens as f64 / args.slow_stream_seconds});
+        sim_control(&client, &format!("{sim_url}/_control/channels/slow"), Some(&behaviour)).await?;
+        eprintln!(
+            "holding {} slow streams ({} s each) open at once: forwarder, spillway ...",
+            args.slow_streams, args.slow_stream_seconds
+        );
+        let f = slow_streams(&client, &forwarder, key, args.slow_streams).await;
+        let g = slow_streams(&client, &spillway, key, args.slow_streams).await;
+        Some(SlowStreams {
+            streams: args.slow_streams,
+            seconds_each: args.slow_stream_seconds,
+            forwarder: f,
+            spillway: g,
+        })
+    } else {
+        None
+    };
 
     let failover = if args.failover_share > 0.0 {
         let rate = args.failover_rate;
@@ -568,8 +962,9 @@ async fn main() -> Result<()> {
             "measuring failover at {rate} req/s with {:.0} % of attempts failing with 503 ...",
             args.failover_share * 100.0
         );
+        let via = spillway.url("");
         let payload = body_for("bench-failover", false);
-        let healthy = fixed_rate_with(&client, &via, key, payload.clone(), false, rate, args.seconds).await;
+        let healthy = fixed_rate_with(&client, &via, key, payload.clone(), false, rate, secs).await;
         let fault = serde_json::json!({"random_faults": [
             {"fault": {"kind": "status", "status": 503}, "probability": args.failover_share}]});
         let calls = async |client: &HttpClient| -> Result<u64> {
@@ -584,9 +979,9 @@ async fn main() -> Result<()> {
             sim_control(&client, &format!("{sim_url}/_control/channels/{ch}"), Some(&fault)).await?;
         }
         let before = calls(&client).await?;
-        let faulty = fixed_rate_with(&client, &via, key, payload, false, rate, args.seconds).await;
+        let faulty = fixed_rate_with(&client, &via, key, payload, false, rate, secs).await;
         let calls = calls(&client).await? - before;
-        let sent = rate * (args.seconds + 1);
+        let sent = rate * (secs + 1);
         Some(FailoverRun {
             rate_rps: rate,
             fault_share: args.failover_share,
@@ -597,53 +992,93 @@ async fn main() -> Result<()> {
     } else {
         None
     };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let idle = IdleRss {
+        forwarder: idle_fwd,
+        spillway: idle_gw,
+        spillway_after_load: spillway.pid.and_then(rss_kib),
+    };
+    drop(gw);
+    drop(fwd);
 
-    println!("\nSpillway gateway overhead (ledger on; direct = the simulator alone)\n");
+    eprintln!("measuring what a durable commit costs ...");
+    let commits = commit_cost(2000).await?;
+    let searches = if args.ledger_rows > 0 {
+        ledger_search(args.ledger_rows).await?
+    } else {
+        Vec::new()
+    };
+
+    // ---- the report ----
+    println!("\nSpillway beside a bare forwarder (ledger on, durable; direct = the simulator alone)\n");
     println!(
-        "| {:<15} | {:>5} | {:>9} | {:>9} | {:>9} | {:>11} | {:>11} | {:>11} | {:>7} |",
-        "kind", "req/s", "direct p50", "p90", "p99", "gateway p50", "p90", "p99", "failed"
+        "| {:<15} | {:>5} | {:>10} | {:>10} | {:>21} | {:>21} | {:>30} | {:>12} |",
+        "kind",
+        "req/s",
+        "direct p50",
+        "p99",
+        "added p50 fwd / spw",
+        "added p99 fwd / spw",
+        "CPU/req fwd / spw",
+        "failed d/f/s"
     );
-    println!("|{}|", ["---"; 9].join("|"));
+    println!("|{}|", ["---"; 8].join("|"));
     for r in &rows {
+        let cpu = |m: &Measured| match (m.cpu_us_per_request, m.ledger_cpu_us_per_request) {
+            (Some(c), Some(l)) => format!("{c:.0} µs ({l:.0} ledger)"),
+            (Some(c), None) => format!("{c:.0} µs"),
+            _ => "?".into(),
+        };
         println!(
-            "| {:<15} | {:>5} | {:>10} | {:>9} | {:>9} | {:>11} | {:>11} | {:>11} | {:>7} |",
+            "| {:<15} | {:>5} | {:>10} | {:>10} | {:>21} | {:>21} | {:>30} | {:>12} |",
             r.kind,
             r.rate_rps,
             us(r.direct.p50_us),
-            us(r.direct.p90_us),
             us(r.direct.p99_us),
-            us(r.gateway.p50_us),
-            us(r.gateway.p90_us),
-            us(r.gateway.p99_us),
-            r.gateway.failed + r.direct.failed
+            format!(
+                "{} / {}",
+                signed_us(r.forwarder_added_p50_us),
+                signed_us(r.spillway_added_p50_us)
+            ),
+            format!(
+                "{} / {}",
+                signed_us(r.forwarder_added_p99_us),
+                signed_us(r.spillway_added_p99_us)
+            ),
+            format!("{} / {}", cpu(&r.forwarder), cpu(&r.spillway)),
+            format!(
+                "{}/{}/{}",
+                r.direct.failed, r.forwarder.lat.failed, r.spillway.lat.failed
+            ),
         );
     }
     println!(
-        "\n| {:<15} | {:>5} | {:>12} | {:>12} | {:>12} |",
-        "kind", "req/s", "added p50", "added p90", "added p99"
+        "\nclosed loop, {} connections: direct {:.0} req/s, forwarder {:.0}, spillway {:.0} ({} of the forwarder's)",
+        closed_loop.concurrency,
+        closed_loop.direct_rps,
+        closed_loop.forwarder_rps,
+        closed_loop.spillway_rps,
+        ratio(closed_loop.spillway_rps, closed_loop.forwarder_rps)
     );
-    println!("|{}|", ["---"; 5].join("|"));
-    for r in &rows {
-        let f = |v: i64| {
-            if v < 0 {
-                format!("-{}", us(v.unsigned_abs()))
-            } else {
-                us(v as u64)
-            }
-        };
+    println!(
+        "idle RSS: forwarder {}, spillway {} ({} after the load)",
+        mib(idle.forwarder),
+        mib(idle.spillway),
+        mib(idle.spillway_after_load)
+    );
+    if let Some(s) = &slow {
         println!(
-            "| {:<15} | {:>5} | {:>12} | {:>12} | {:>12} |",
-            r.kind,
-            r.rate_rps,
-            f(r.added_p50_us),
-            f(r.added_p90_us),
-            f(r.added_p99_us)
+            "{} slow streams at once: forwarder peak {} ({} completed, {} failed), spillway peak {} ({} completed, {} failed)",
+            s.streams,
+            mib(s.forwarder.rss_kib_peak),
+            s.forwarder.completed,
+            s.forwarder.failed,
+            mib(s.spillway.rss_kib_peak),
+            s.spillway.completed,
+            s.spillway.failed
         );
     }
-    println!(
-        "\nmaximum throughput ({} concurrent clients, non-streaming): direct {max_d:.0} req/s, through the gateway {max_g:.0} req/s",
-        args.concurrency
-    );
+    println!("disk fsync p50 (4 KiB, under target/): {}", us(fsync_us));
 
     if let Some(f) = &failover {
         println!(
@@ -668,21 +1103,12 @@ async fn main() -> Result<()> {
             f.upstream_calls_per_request
         );
     }
-
-    eprintln!("measuring what a durable commit costs ...");
-    let commits = commit_cost(2000).await?;
     println!("\ndurable commit of one request row (what every request waits for before its upstream call)\n");
     println!("| durability | p50 | p99 |");
     println!("|---|---|---|");
     for c in &commits {
         println!("| {} | {} | {} |", c.durability, us(c.p50_us), us(c.p99_us));
     }
-
-    let searches = if args.ledger_rows > 0 {
-        ledger_search(args.ledger_rows).await?
-    } else {
-        Vec::new()
-    };
     if !searches.is_empty() {
         println!("\nledger search with {} requests in the ledger\n", args.ledger_rows);
         println!("| {:<32} | {:>7} | {:>12} |", "query", "results", "time");
@@ -692,24 +1118,160 @@ async fn main() -> Result<()> {
         }
     }
 
+    // ---- the verdicts (issue 9's budget) ----
+    let mut verdicts = Vec::new();
+    let mut lines = Vec::new();
+    let mut judge = |v: Verdict, measured: f64, limit: f64| {
+        lines.push(verdict_line(&v, measured, limit));
+        verdicts.push(v);
+    };
+    let usf = |v: f64| signed_us(v.round() as i64);
+    // A forwarder's added p99 within the noise of zero would make any limit on a multiple
+    // of it meaningless; 100 µs is the least it is taken as.
+    const P99_FLOOR_US: f64 = 100.0;
+    for r in rows.iter().filter(|r| r.kind == "non-streaming") {
+        let rate = r.rate_rps;
+        if rate <= 2000 {
+            if let (Some(g), Some(f)) = (r.spillway.cpu_us_per_request, r.forwarder.cpu_us_per_request) {
+                judge(
+                    verdict(
+                        format!("CPU per request at {rate} req/s ≤ 2× the forwarder's"),
+                        g,
+                        2.0 * f,
+                        |v| format!("{v:.0} µs"),
+                        false,
+                    ),
+                    g,
+                    2.0 * f,
+                );
+            }
+            let limit = 300.0 + fsync_us as f64;
+            let m = r.spillway_added_p50_us as f64;
+            judge(
+                verdict(
+                    format!("added p50 at {rate} req/s ≤ 0.3 ms + fsync p50"),
+                    m,
+                    limit,
+                    usf,
+                    false,
+                ),
+                m,
+                limit,
+            );
+            let limit = 2.0 * (r.forwarder_added_p99_us as f64).max(P99_FLOOR_US);
+            let m = r.spillway_added_p99_us as f64;
+            judge(
+                verdict(
+                    format!("added p99 at {rate} req/s ≤ 2× the forwarder's"),
+                    m,
+                    limit,
+                    usf,
+                    false,
+                ),
+                m,
+                limit,
+            );
+        } else {
+            let sustained = r.spillway.lat.failed == 0 && r.spillway.lat.achieved_rps >= 0.98 * rate as f64;
+            let limit = 3.0 * (r.forwarder_added_p99_us as f64).max(P99_FLOOR_US);
+            let m = r.spillway_added_p99_us as f64;
+            let mut v = verdict(
+                format!("{rate} req/s sustained, added p99 ≤ 3× the forwarder's"),
+                m,
+                limit,
+                usf,
+                false,
+            );
+            v.met &= sustained;
+            v.measured = format!(
+                "{:.0} req/s achieved, {} failed, added p99 {}",
+                r.spillway.lat.achieved_rps, r.spillway.lat.failed, v.measured
+            );
+            judge(v, m, limit);
+        }
+    }
+    for r in rows.iter().filter(|r| r.kind == "streaming TTFT") {
+        let m = r.spillway_added_p99_us as f64;
+        judge(
+            verdict(
+                format!("streaming TTFT added p99 at {} req/s ≤ 1 ms", r.rate_rps),
+                m,
+                1000.0,
+                usf,
+                false,
+            ),
+            m,
+            1000.0,
+        );
+    }
+    let (m, limit) = (closed_loop.spillway_rps, 0.5 * closed_loop.forwarder_rps);
+    judge(
+        verdict(
+            format!("closed loop ({} conns) ≥ 50 % of the forwarder's", args.concurrency),
+            m,
+            limit,
+            |v| format!("{v:.0} req/s"),
+            true,
+        ),
+        m,
+        limit,
+    );
+    let kib = |v: f64| format!("{:.1} MiB", v / 1024.0);
+    if let Some(r) = idle.spillway {
+        judge(
+            verdict("idle RSS ≤ 15 MiB".into(), r as f64, 15.0 * 1024.0, kib, false),
+            r as f64,
+            15.0 * 1024.0,
+        );
+    }
+    if let Some(s) = &slow {
+        let m = s.spillway.rss_kib_peak.unwrap_or(0) as f64;
+        let mut v = verdict(
+            format!("RSS with {} concurrent streams ≤ 100 MiB", s.streams),
+            m,
+            100.0 * 1024.0,
+            kib,
+            false,
+        );
+        v.met &= s.spillway.failed == 0;
+        if s.spillway.failed > 0 {
+            v.measured = format!("{} ({} streams failed)", v.measured, s.spillway.failed);
+        }
+        judge(v, m, 100.0 * 1024.0);
+    }
+    println!();
+    for l in &lines {
+        println!("{l}");
+    }
+    let missed = verdicts.iter().filter(|v| !v.met).count();
+    println!(
+        "verdict: {} of {} targets met{}",
+        verdicts.len() - missed,
+        verdicts.len(),
+        if missed == 0 { "" } else { " (see the MISSED lines)" }
+    );
+
     let when = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_secs();
     let report = Report {
         when_unix: when,
+        commit: git_commit(),
         machine: format!(
             "{} cores",
             std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
         ),
-        seconds_per_rate: args.seconds,
+        seconds_per_rate: secs,
+        fsync_p50_us: fsync_us,
+        idle_rss_kib: idle,
         rows,
-        max_throughput_direct_rps: max_d,
-        max_throughput_gateway_rps: max_g,
-        concurrency: args.concurrency,
-        ledger_rows: args.ledger_rows,
-        ledger_search: searches,
+        closed_loop,
+        slow_streams: slow,
         failover,
         commit_cost: commits,
+        ledger_rows: args.ledger_rows,
+        ledger_search: searches,
+        verdicts,
     };
     std::fs::create_dir_all(&args.out)?;
     let json = serde_json::to_string_pretty(&report)?;
@@ -717,4 +1279,18 @@ async fn main() -> Result<()> {
     std::fs::write(args.out.join("latest.json"), &json)?;
     println!("results: {}", args.out.join("latest.json").display());
     Ok(())
+}
+
+/// Latency figures for a phase that measures throughput only.
+fn fixed_zero() -> Percentiles {
+    Percentiles {
+        p50_us: 0,
+        p90_us: 0,
+        p99_us: 0,
+        max_us: 0,
+        ok: 0,
+        failed: 0,
+        achieved_rps: 0.0,
+        attempts_per_request: 0.0,
+    }
 }
