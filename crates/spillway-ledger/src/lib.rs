@@ -64,15 +64,4 @@ pub trait LedgerBackend: Send + Sync + 'static {
     /// Housekeeping the writer must not pay for on its commits (WAL checkpoints).
     /// Returns how many pages (WAL frames) it folded back into the database.
     async fn maintain(&self) -> Result<u64>;
-    /// Makes every batch written so far survive a power loss. The writer calls it, off
-    /// its own path, before it acknowledges a durable write; a store whose commits are
-    /// durable by themselves has nothing to do.
-    async fn sync(&self) -> Result<()> {
-        Ok(())
-    }
-    /// Whether [`LedgerBackend::sync`] has anything to do: without it, durable writes are
-    /// acknowledged as soon as they are committed.
-    fn needs_sync(&self) -> bool {
-        false
-    }
 }

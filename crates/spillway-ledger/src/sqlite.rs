@@ -1,12 +1,14 @@
 //! SQLite in WAL mode: one writer connection owned by the writer task's batches, a small
 //! read pool, and checkpoints on their own connection so commits stay short.
 //!
-//! Durability is SQLite's `synchronous=FULL` in effect — a `calling_api` that was
-//! acknowledged survives a power loss, not just a killed process — done as the same sync
-//! of the WAL file, but after the commit instead of inside it: the writer commits in
-//! NORMAL mode and [`LedgerBackend::sync`] syncs the WAL before any durable write is
-//! acknowledged. One sync then covers every commit made before it started, and the next
-//! batch is written while it runs instead of waiting behind it.
+//! Durability is SQLite's `synchronous=FULL`: a commit returns once its WAL frames are
+//! synced, so a `calling_api` that was acknowledged survives a power loss, not just a
+//! killed process. The sync happens on sqlx's worker thread, inside the one command a
+//! batch is (see `write_batch`): syncing from a thread of our own afterwards cost two
+//! more thread hand-offs per commit than it saved by overlapping the next commit. The
+//! build syncs with `fdatasync` (`LIBSQLITE3_FLAGS` in `.cargo/config.toml`), and the
+//! WAL restarts while small, so most commits overwrite frames in place and the sync
+//! writes no file-size change.
 
 use crate::{
     AttemptRecord, Decision, Error, FailureClass, LedgerBackend, LedgerLock, Page, RequestRecord, RequestState, Result,
@@ -14,25 +16,32 @@ use crate::{
 };
 use async_trait::async_trait;
 use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
+use sqlx::query_builder::Separated;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, Connection, QueryBuilder, Row, Sqlite, SqliteConnection, SqlitePool};
 use std::path::Path;
 use std::str::FromStr;
-use std::sync::Arc;
 use std::sync::LazyLock;
 use std::time::Duration;
 use tokio::sync::Mutex;
 
 /// Past this size the checkpoint makes the WAL restart (see `maintain`). Each restart
-/// holds the writer for one short checkpoint (a few ms, mostly fsync), so it should be
-/// rare: at 1,000 requests/s (~10 KB of WAL each) this is one every ten seconds or so.
-const WAL_RESTART_BYTES: u64 = 96 * 1024 * 1024;
+/// holds the writer for one short checkpoint (a few ms, mostly fsync), so it should not
+/// be frequent: at 1,000 requests/s (a few KB of WAL each) this is one every few seconds.
+/// But a WAL that has restarted is rewritten in place, and a commit that does not grow
+/// the file syncs its frames without the file's size: a small WAL makes most commits
+/// cheaper to sync.
+const WAL_RESTART_BYTES: u64 = 16 * 1024 * 1024;
 
 /// The WAL file is truncated back to this many bytes after it restarts.
 const WAL_SIZE_LIMIT: u64 = WAL_RESTART_BYTES;
 
-/// SQLite allows 32766 bound parameters per statement; stay well under it.
+/// SQLite allows 32766 bound parameters per statement (a batch row binds up to 32);
+/// stay well under it.
 const ROWS_PER_STATEMENT: usize = 500;
+
+/// Batches of up to this many rows keep their prepared statement.
+const CACHED_ROWS: usize = 12;
 
 const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request_id, key_name, owner, workflow, \
     format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
@@ -84,8 +93,7 @@ const ATTEMPT_COLUMNS: &str = "request_id, attempt_no, channel, upstream_request
 /// How far an acknowledged commit survives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Durability {
-    /// A power loss: the WAL is synced before a durable write is acknowledged (what
-    /// `synchronous=FULL` does, moved off the commit). The gateway's.
+    /// A power loss: every commit syncs the WAL (`synchronous=FULL`). The gateway's.
     Full,
     /// A crashed process only (`synchronous=NORMAL`, no sync). For measuring, never for
     /// serving.
@@ -95,9 +103,6 @@ pub enum Durability {
 pub struct SqliteBackend {
     /// Held as long as the backend lives: one writing process per ledger.
     _lock: LedgerLock,
-    /// The WAL file, synced by [`LedgerBackend::sync`] (absent: no sync, the weaker
-    /// durability).
-    wal: Option<Arc<std::fs::File>>,
     writer: Mutex<SqliteConnection>,
     readers: SqlitePool,
     /// Checkpoints need a writable connection that is not the writer's.
@@ -142,9 +147,13 @@ impl SqliteBackend {
             &base
                 .clone()
                 .create_if_missing(true)
-                // NORMAL: a commit is written, not synced; `sync` syncs the WAL before a
-                // durable write is acknowledged (see the module docs).
-                .synchronous(SqliteSynchronous::Normal)
+                .synchronous(match durability {
+                    Durability::Full => SqliteSynchronous::Full,
+                    Durability::ProcessCrashOnly => SqliteSynchronous::Normal,
+                })
+                // The batches of a few rows each keep their prepared statements (see
+                // `write_batch`).
+                .statement_cache_capacity(256)
                 .pragma("wal_autocheckpoint", "0")
                 // After a WAL restart the file is cut back to this size, so one burst
                 // does not keep its disk space for good.
@@ -152,26 +161,9 @@ impl SqliteBackend {
         )
         .await?;
         sqlx::migrate!("./migrations").run(&mut writer).await?;
-        let wal = match durability {
-            Durability::ProcessCrashOnly => None,
-            Durability::Full => {
-                // The migrations wrote, so the WAL exists; it keeps its inode for as long
-                // as the writer's connection is open (a restart rewinds it, never deletes it).
-                let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-                name.push("-wal");
-                let wal_err = |source| Error::Wal {
-                    path: path.display().to_string(),
-                    source,
-                };
-                let file = std::fs::File::open(path.with_file_name(name)).map_err(wal_err)?;
-                file.sync_all().map_err(wal_err)?;
-                // A new WAL's directory entry must survive a power loss too.
-                if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                    let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
-                }
-                Some(Arc::new(file))
-            }
-        };
+        sqlx::raw_sql(AssertSqlSafe(BATCH_VIEW.as_str()))
+            .execute(&mut writer)
+            .await?;
         let maintenance = SqliteConnection::connect_with(&base).await?;
         let readers = SqlitePoolOptions::new()
             .max_connections(4)
@@ -179,7 +171,6 @@ impl SqliteBackend {
             .await?;
         Ok(SqliteBackend {
             _lock: lock,
-            wal,
             writer: Mutex::new(writer),
             readers,
             maintenance: Mutex::new(maintenance),
@@ -265,71 +256,123 @@ fn attempt_from_row(r: &SqliteRow) -> Result<AttemptRecord> {
     })
 }
 
-fn upsert_requests(chunk: &[RequestRecord]) -> QueryBuilder<Sqlite> {
-    let mut q: QueryBuilder<Sqlite> = QueryBuilder::new(format!("INSERT INTO requests ({REQUEST_COLUMNS}) "));
-    q.push_values(chunk, |mut b, r| {
-        b.push_bind(r.id.clone())
-            .push_bind(r.trace_id.clone())
-            .push_bind(r.client_request_id.clone())
-            .push_bind(r.upstream_request_id.clone())
-            .push_bind(r.key_name.clone())
-            .push_bind(r.owner.clone())
-            .push_bind(r.workflow.clone())
-            .push_bind(r.format.as_str())
-            .push_bind(r.endpoint.clone())
-            .push_bind(r.route.clone())
-            .push_bind(r.channel.clone())
-            .push_bind(r.requested_model.clone())
-            .push_bind(r.served_model.clone())
-            .push_bind(r.stream)
-            .push_bind(r.state.as_str())
-            .push_bind(r.http_status.map(i64::from))
-            .push_bind(r.error_class.map(FailureClass::as_str))
-            .push_bind(r.error_message.clone())
-            .push_bind(i(r.input_tokens))
-            .push_bind(i(r.output_tokens))
-            .push_bind(i(r.cached_input_tokens))
-            .push_bind(i(r.reasoning_tokens))
-            .push_bind(r.cost_usd)
-            .push_bind(r.received_at.0)
-            .push_bind(r.admitted_at.map(|t| t.0))
-            .push_bind(r.first_token_at.map(|t| t.0))
-            .push_bind(r.finished_at.map(|t| t.0))
-            .push_bind(i(r.queued_ms))
-            .push_bind(i64::from(r.attempts))
-            .push_bind(r.body_sha256.clone())
-            .push_bind(r.partial_output_committed)
-            .push_bind(r.next_ready_at.map(|t| t.0));
-    });
-    q.push(&*REQUEST_UPSERT);
-    q
+/// One row of a batch: a request's latest state or an attempt.
+enum BatchRow<'a> {
+    Request(&'a RequestRecord),
+    Attempt(&'a AttemptRecord),
 }
 
-fn insert_attempts(chunk: &[AttemptRecord]) -> QueryBuilder<Sqlite> {
-    let mut q: QueryBuilder<Sqlite> =
-        QueryBuilder::new(format!("INSERT OR REPLACE INTO attempts ({ATTEMPT_COLUMNS}) "));
-    q.push_values(chunk, |mut b, a| {
-        b.push_bind(a.request_id.clone())
-            .push_bind(i64::from(a.attempt_no))
-            .push_bind(a.channel.clone())
-            .push_bind(a.upstream_request_id.clone())
-            .push_bind(a.http_status.map(i64::from))
-            .push_bind(a.error_class.as_str())
-            .push_bind(a.provider_error_type.clone())
-            .push_bind(i(a.retry_after_ms))
-            .push_bind(a.message.clone())
-            .push_bind(a.started_at.0)
-            .push_bind(a.first_byte_at.map(|t| t.0))
-            .push_bind(a.finished_at.map(|t| t.0))
-            .push_bind(i(a.input_tokens))
-            .push_bind(i(a.output_tokens))
-            .push_bind(a.decision.map(Decision::as_str))
-            .push_bind(a.decision_reason.map(StopReason::as_str))
-            .push_bind(i(a.delay_ms))
-            .push_bind(a.ready_at.map(|t| t.0))
-            .push_bind(a.visibility.map(Visibility::as_str));
+fn columns(list: &str) -> impl Iterator<Item = &str> {
+    list.split(',').map(str::trim)
+}
+
+/// The writer connection's own view that a whole batch is inserted into, as one
+/// statement: its trigger upserts each request row and inserts each attempt row. A
+/// batch of several statements (requests, attempts, BEGIN and COMMIT) cost a wake-up of
+/// the writer task per statement, each from sqlx's worker thread; one statement costs
+/// one. It commits (and syncs) in autocommit, all rows or none.
+static BATCH_VIEW: LazyLock<String> = LazyLock::new(|| {
+    let names: Vec<String> = std::iter::once("kind".to_owned())
+        .chain(columns(REQUEST_COLUMNS).map(|c| format!("r_{c}")))
+        .chain(columns(ATTEMPT_COLUMNS).map(|c| format!("a_{c}")))
+        .collect();
+    let nulls = vec!["NULL"; names.len()].join(", ");
+    let new = |prefix: &str, list: &str| {
+        columns(list)
+            .map(|c| format!("NEW.{prefix}_{c}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "CREATE TEMP VIEW ledger_batch ({names}) AS SELECT {nulls} WHERE 0;\n\
+         CREATE TEMP TRIGGER ledger_batch_row INSTEAD OF INSERT ON ledger_batch BEGIN\n\
+         INSERT INTO requests ({REQUEST_COLUMNS}) SELECT {r} WHERE NEW.kind = 'r'{upsert};\n\
+         INSERT OR REPLACE INTO attempts ({ATTEMPT_COLUMNS}) SELECT {a} WHERE NEW.kind = 'a';\n\
+         END;",
+        names = names.join(", "),
+        r = new("r", REQUEST_COLUMNS),
+        a = new("a", ATTEMPT_COLUMNS),
+        upsert = &*REQUEST_UPSERT,
+    )
+});
+
+/// `INSERT INTO ledger_batch VALUES ...` for `rows`.
+fn insert_batch(q: &mut QueryBuilder<Sqlite>, rows: &[BatchRow<'_>]) {
+    let (requests, attempts) = (columns(REQUEST_COLUMNS).count(), columns(ATTEMPT_COLUMNS).count());
+    q.push("INSERT INTO ledger_batch ");
+    q.push_values(rows, |mut b, row| match row {
+        BatchRow::Request(r) => {
+            b.push("'r'");
+            bind_request(&mut b, r);
+            for _ in 0..attempts {
+                b.push("NULL");
+            }
+        }
+        BatchRow::Attempt(a) => {
+            b.push("'a'");
+            for _ in 0..requests {
+                b.push("NULL");
+            }
+            bind_attempt(&mut b, a);
+        }
     });
-    q
+}
+
+fn bind_request(b: &mut Separated<'_, Sqlite, &'static str>, r: &RequestRecord) {
+    b.push_bind(r.id.clone())
+        .push_bind(r.trace_id.clone())
+        .push_bind(r.client_request_id.clone())
+        .push_bind(r.upstream_request_id.clone())
+        .push_bind(r.key_name.clone())
+        .push_bind(r.owner.clone())
+        .push_bind(r.workflow.clone())
+        .push_bind(r.format.as_str())
+        .push_bind(r.endpoint.clone())
+        .push_bind(r.route.clone())
+        .push_bind(r.channel.clone())
+        .push_bind(r.requested_model.clone())
+        .push_bind(r.served_model.clone())
+        .push_bind(r.stream)
+        .push_bind(r.state.as_str())
+        .push_bind(r.http_status.map(i64::from))
+        .push_bind(r.error_class.map(FailureClass::as_str))
+        .push_bind(r.error_message.clone())
+        .push_bind(i(r.input_tokens))
+        .push_bind(i(r.output_tokens))
+        .push_bind(i(r.cached_input_tokens))
+        .push_bind(i(r.reasoning_tokens))
+        .push_bind(r.cost_usd)
+        .push_bind(r.received_at.0)
+        .push_bind(r.admitted_at.map(|t| t.0))
+        .push_bind(r.first_token_at.map(|t| t.0))
+        .push_bind(r.finished_at.map(|t| t.0))
+        .push_bind(i(r.queued_ms))
+        .push_bind(i64::from(r.attempts))
+        .push_bind(r.body_sha256.clone())
+        .push_bind(r.partial_output_committed)
+        .push_bind(r.next_ready_at.map(|t| t.0));
+}
+
+fn bind_attempt(b: &mut Separated<'_, Sqlite, &'static str>, a: &AttemptRecord) {
+    b.push_bind(a.request_id.clone())
+        .push_bind(i64::from(a.attempt_no))
+        .push_bind(a.channel.clone())
+        .push_bind(a.upstream_request_id.clone())
+        .push_bind(a.http_status.map(i64::from))
+        .push_bind(a.error_class.as_str())
+        .push_bind(a.provider_error_type.clone())
+        .push_bind(i(a.retry_after_ms))
+        .push_bind(a.message.clone())
+        .push_bind(a.started_at.0)
+        .push_bind(a.first_byte_at.map(|t| t.0))
+        .push_bind(a.finished_at.map(|t| t.0))
+        .push_bind(i(a.input_tokens))
+        .push_bind(i(a.output_tokens))
+        .push_bind(a.decision.map(Decision::as_str))
+        .push_bind(a.decision_reason.map(StopReason::as_str))
+        .push_bind(i(a.delay_ms))
+        .push_bind(a.ready_at.map(|t| t.0))
+        .push_bind(a.visibility.map(Visibility::as_str));
 }
 
 /// The smallest UUIDv7 string of millisecond `ms`: ids compare as strings in time order.
@@ -371,27 +414,42 @@ async fn checkpoint(conn: &mut SqliteConnection) -> Result<(u64, u64)> {
 #[async_trait]
 impl LedgerBackend for SqliteBackend {
     async fn write_batch(&self, requests: &[RequestRecord], attempts: &[AttemptRecord]) -> Result<()> {
-        let mut conn = self.writer.lock().await;
-        // Each statement is a hop to sqlx's SQLite worker thread; a batch of one statement
-        // (the common case for a durable `calling_api` write) runs in autocommit and saves
-        // the BEGIN and COMMIT hops on the request's critical path.
-        let statements = requests.len().div_ceil(ROWS_PER_STATEMENT) + attempts.len().div_ceil(ROWS_PER_STATEMENT);
-        if statements == 1 {
-            if requests.is_empty() {
-                insert_attempts(attempts).build().execute(&mut *conn).await?;
-            } else {
-                upsert_requests(requests).build().execute(&mut *conn).await?;
-            }
+        if requests.is_empty() && attempts.is_empty() {
             return Ok(());
         }
-        let mut tx = conn.begin().await?;
-        for chunk in requests.chunks(ROWS_PER_STATEMENT) {
-            upsert_requests(chunk).build().execute(&mut *tx).await?;
+        let mut conn = self.writer.lock().await;
+        // Every command to sqlx's SQLite connection is a hand-off to its worker thread and
+        // back, and every statement's result one more wake-up of this task: a batch is one
+        // statement (see `BATCH_VIEW`), committed in autocommit. Only a batch too large
+        // for one statement's parameters is several, in one transaction.
+        let rows: Vec<BatchRow<'_>> = requests
+            .iter()
+            .map(BatchRow::Request)
+            .chain(attempts.iter().map(BatchRow::Attempt))
+            .collect();
+        let several = rows.len() > ROWS_PER_STATEMENT;
+        let mut q: QueryBuilder<Sqlite> = QueryBuilder::new("");
+        if several {
+            q.push("BEGIN IMMEDIATE; ");
         }
-        for chunk in attempts.chunks(ROWS_PER_STATEMENT) {
-            insert_attempts(chunk).build().execute(&mut *tx).await?;
+        for chunk in rows.chunks(ROWS_PER_STATEMENT) {
+            insert_batch(&mut q, chunk);
+            q.push("; ");
         }
-        tx.commit().await?;
+        if several {
+            q.push("COMMIT;");
+        }
+        // Small batches repeat (a few rows each) and keep their prepared statements; a
+        // large one is a one-off that would only push them out of the cache.
+        let keep = rows.len() <= CACHED_ROWS;
+        let result = q.build().persistent(keep).execute(&mut *conn).await;
+        if let Err(e) = result {
+            if several {
+                // The statement that failed left the transaction open.
+                let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
+            }
+            return Err(e.into());
+        }
         Ok(())
     }
 
@@ -471,22 +529,6 @@ impl LedgerBackend for SqliteBackend {
         .execute(&mut *conn)
         .await?;
         Ok(r.rows_affected())
-    }
-
-    fn needs_sync(&self) -> bool {
-        self.wal.is_some()
-    }
-
-    async fn sync(&self) -> Result<()> {
-        let Some(wal) = self.wal.clone() else {
-            return Ok(());
-        };
-        // fdatasync, as SQLite's own FULL does on Linux; on a blocking thread, so the
-        // writer goes on committing meanwhile.
-        tokio::task::spawn_blocking(move || wal.sync_data())
-            .await
-            .map_err(|e| Error::Unavailable(format!("the ledger sync did not run: {e}")))?
-            .map_err(|source| Error::Unavailable(format!("syncing the ledger failed: {source}")))
     }
 
     async fn maintain(&self) -> Result<u64> {

@@ -30,7 +30,8 @@ const QUEUE_DEPTH: usize = 65_536;
 /// queue, which then fills and holds its writers back.
 const SPOOL_MAX: usize = 100_000;
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
-/// How long fire-and-forget writes wait for a durable write to share a commit with.
+/// How long fire-and-forget writes wait for a durable write to share a commit with (at
+/// most twice this, see `write_loop`).
 const LINGER: Duration = Duration::from_millis(20);
 /// Between two tries of a store that refused a commit.
 const RETRY_EVERY: Duration = Duration::from_millis(500);
@@ -71,7 +72,30 @@ impl LedgerHealth {
 
 struct QueueState {
     ops: VecDeque<Op>,
+    /// Operations in `ops` that someone waits on (durable writes, flushes).
+    waited: usize,
+    /// The writer has its linger deadline set and will come back for fire-and-forget
+    /// operations by then: queuing one need not wake it.
+    lingering: bool,
     closed: bool,
+}
+
+impl QueueState {
+    /// Whether the writer has something to do now.
+    fn has_work(&self) -> bool {
+        self.closed || self.waited > 0 || self.ops.len() >= MAX_BATCH || (!self.lingering && !self.ops.is_empty())
+    }
+
+    /// Queues `op`; whether the writer must be woken for it.
+    fn add(&mut self, op: Op) -> bool {
+        let waited = op.is_waited_on();
+        self.waited += usize::from(waited);
+        self.ops.push_back(op);
+        // A fire-and-forget write rides along with the next durable one, or goes at the
+        // linger deadline: waking the writer for each (a wake-up of another thread, most
+        // of the time) cost more than the write itself.
+        waited || !self.lingering || self.ops.len() >= MAX_BATCH
+    }
 }
 
 /// The FIFO between the request path and the writer.
@@ -101,9 +125,11 @@ impl Queue {
         if q.ops.len() >= self.depth {
             return Ok(Some(op));
         }
-        q.ops.push_back(op);
+        let wake = q.add(op);
         drop(q);
-        self.work.notify_one();
+        if wake {
+            self.work.notify_one();
+        }
         Ok(None)
     }
 
@@ -133,9 +159,11 @@ impl Queue {
         if q.closed {
             return Err(Error::WriterStopped);
         }
-        q.ops.push_back(op);
+        let wake = q.add(op);
         drop(q);
-        self.work.notify_one();
+        if wake {
+            self.work.notify_one();
+        }
         Ok(())
     }
 
@@ -146,7 +174,9 @@ impl Queue {
             return None;
         }
         let n = q.ops.len().min(max);
+        let from = into.len();
         into.extend(q.ops.drain(..n));
+        q.waited -= into[from..].iter().filter(|o| o.is_waited_on()).count();
         drop(q);
         if n > 0 {
             self.space.notify_waiters();
@@ -154,15 +184,18 @@ impl Queue {
         Some(n)
     }
 
-    /// Waits until something is queued (or the queue closes).
-    async fn ready(&self) {
+    /// Waits until the writer has something to do now: a durable write or a flush, a
+    /// full batch, the queue closing, or — unless it is `lingering` (its deadline set) —
+    /// anything queued at all.
+    async fn ready(&self, lingering: bool) {
         loop {
             let work = self.work.notified();
             tokio::pin!(work);
             work.as_mut().enable();
             {
-                let q = self.lock();
-                if !q.ops.is_empty() || q.closed {
+                let mut q = self.lock();
+                q.lingering = lingering;
+                if q.has_work() {
                     return;
                 }
             }
@@ -174,57 +207,6 @@ impl Queue {
         self.lock().closed = true;
         self.work.notify_one();
         self.space.notify_waiters();
-    }
-}
-
-/// Durable writes whose commit is done and whose sync is not: the syncer acknowledges them
-/// once a sync that started after their commit has finished. The writer goes on committing
-/// meanwhile, so one sync serves every commit made before it started.
-struct SyncQueue {
-    waiting: Mutex<Vec<(u64, oneshot::Sender<Result<()>>)>>,
-    /// The number of the last commit that has completed.
-    committed: std::sync::atomic::AtomicU64,
-    work: Notify,
-    closed: std::sync::atomic::AtomicBool,
-}
-
-impl SyncQueue {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(u64, oneshot::Sender<Result<()>>)>> {
-        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-async fn sync_loop(backend: Arc<dyn LedgerBackend>, q: Arc<SyncQueue>) {
-    use std::sync::atomic::Ordering;
-    loop {
-        let work = q.work.notified();
-        tokio::pin!(work);
-        work.as_mut().enable();
-        if q.lock().is_empty() {
-            if q.closed.load(Ordering::Acquire) {
-                return;
-            }
-            work.await;
-            continue;
-        }
-        // Every waiter queued so far belongs to a commit at or before this one.
-        let upto = q.committed.load(Ordering::Acquire);
-        let result = backend.sync().await;
-        if let Err(e) = &result {
-            tracing::error!(error = %e, "the ledger could not be synced; durable writes are refused");
-        }
-        let done: Vec<_> = {
-            let mut w = q.lock();
-            let (done, keep) = std::mem::take(&mut *w).into_iter().partition(|(seq, _)| *seq <= upto);
-            *w = keep;
-            done
-        };
-        for (_, ack) in done {
-            let _ = ack.send(match &result {
-                Ok(()) => Ok(()),
-                Err(e) => Err(Error::Unavailable(e.to_string())),
-            });
-        }
     }
 }
 
@@ -321,6 +303,8 @@ impl Ledger {
         let queue = Arc::new(Queue {
             state: Mutex::new(QueueState {
                 ops: VecDeque::new(),
+                waited: 0,
+                lingering: false,
                 closed: false,
             }),
             depth,
@@ -329,14 +313,7 @@ impl Ledger {
             space: Notify::new(),
         });
         let (health_tx, health) = watch::channel(LedgerHealth::healthy());
-        let syncs = Arc::new(SyncQueue {
-            waiting: Mutex::new(Vec::new()),
-            committed: Default::default(),
-            work: Notify::new(),
-            closed: Default::default(),
-        });
-        let writer = tokio::spawn(write_loop(backend.clone(), queue.clone(), health_tx, syncs.clone()));
-        let syncer = tokio::spawn(sync_loop(backend.clone(), syncs));
+        let writer = tokio::spawn(write_loop(backend.clone(), queue.clone(), health_tx));
         let b = backend.clone();
         let checkpoints = tokio::spawn(async move {
             let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
@@ -352,7 +329,7 @@ impl Ledger {
             queue,
             backend,
             health,
-            tasks: Arc::new(Mutex::new(vec![writer, checkpoints, syncer])),
+            tasks: Arc::new(Mutex::new(vec![writer, checkpoints])),
         }
     }
 
@@ -481,48 +458,56 @@ fn wall_now() -> UnixMs {
     UnixMs::from_system(SystemTime::now())
 }
 
-async fn write_loop(
-    backend: Arc<dyn LedgerBackend>,
-    queue: Arc<Queue>,
-    health: watch::Sender<LedgerHealth>,
-    syncs: Arc<SyncQueue>,
-) {
+async fn write_loop(backend: Arc<dyn LedgerBackend>, queue: Arc<Queue>, health: watch::Sender<LedgerHealth>) {
+    use tokio::time::Instant;
     let mut pending = Pending::default();
     let mut ops = Vec::with_capacity(MAX_BATCH);
     let mut failing = false;
-    let mut commits = 0u64;
+    // Fire-and-forget writes (a request's end, its attempts) wait for a durable write to
+    // share its commit — commits, not rows, are what the disk pays for, as every commit
+    // rewrites whole pages of the WAL and syncs it — but never past the linger deadline.
+    // One timer serves every request that comes meanwhile: arming one per batch made
+    // nearly every request register a timer, and so wake the runtime's driver thread.
+    let linger = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(linger);
+    let mut armed = false;
+    let mut last_durable: Option<Instant> = None;
     loop {
-        if pending.is_empty() {
-            queue.ready().await;
+        let mut deadline_passed = false;
+        // A store that refused a commit is retried on its own schedule (below).
+        if !failing || pending.is_empty() {
+            tokio::select! {
+                biased;
+                () = queue.ready(armed) => {}
+                () = &mut linger, if armed => {
+                    armed = false;
+                    deadline_passed = true;
+                }
+            }
         }
         // Group commit: take whatever is queued (the spool permitting).
-        if pending.rows() < SPOOL_MAX && queue.take(MAX_BATCH, &mut ops).is_none() && pending.is_empty() {
-            syncs.closed.store(true, std::sync::atomic::Ordering::Release);
-            syncs.work.notify_one();
+        let closed = pending.rows() < SPOOL_MAX && queue.take(MAX_BATCH, &mut ops).is_none();
+        if closed && pending.is_empty() {
             return;
         }
-        let mut waited_on = ops.iter().any(Op::is_waited_on) || !pending.acks.is_empty();
         for op in ops.drain(..) {
             pending.add(op);
         }
-        // Nobody waits on a batch of only fire-and-forget writes (a request's end, its
-        // attempts): hold it a moment so it rides along with the next durable write
-        // instead of paying a commit of its own. Every commit rewrites whole pages in the
-        // WAL, so commits, not rows, are what the disk pays for.
-        if !waited_on && !failing {
-            let until = tokio::time::Instant::now() + LINGER;
-            while pending.rows() < MAX_BATCH && !waited_on {
-                if tokio::time::timeout_at(until, queue.ready()).await.is_err() {
-                    break;
+        if pending.is_empty() {
+            continue;
+        }
+        let waited_on = !pending.acks.is_empty();
+        if !waited_on && !failing && !closed && pending.rows() < MAX_BATCH {
+            // Only fire-and-forget rows. They go at the deadline, unless a durable write
+            // was committed since the deadline was set: then one is likely close, and
+            // they wait for it, for one more period at the most.
+            let go = deadline_passed && last_durable.is_none_or(|t| t.elapsed() >= LINGER);
+            if !go {
+                if !armed {
+                    linger.as_mut().reset(Instant::now() + LINGER);
+                    armed = true;
                 }
-                match queue.take(MAX_BATCH - pending.rows(), &mut ops) {
-                    None | Some(0) => break,
-                    Some(_) => {}
-                }
-                waited_on = ops.iter().any(Op::is_waited_on);
-                for op in ops.drain(..) {
-                    pending.add(op);
-                }
+                continue;
             }
         }
         if failing {
@@ -539,15 +524,12 @@ async fn write_loop(
         match result {
             Ok(()) => {
                 pending.clear();
-                // Acknowledged once synced (see SyncQueue), not before.
-                commits += 1;
-                if !backend.needs_sync() {
-                    pending.answer(Ok(()));
-                } else if !pending.acks.is_empty() {
-                    syncs.committed.store(commits, std::sync::atomic::Ordering::Release);
-                    syncs.lock().extend(pending.acks.drain(..).map(|a| (commits, a)));
-                    syncs.work.notify_one();
+                // The commit is durable (the store syncs it before it returns): the
+                // waiters hear now.
+                if waited_on {
+                    last_durable = Some(Instant::now());
                 }
+                pending.answer(Ok(()));
                 if failing {
                     failing = false;
                     tracing::warn!("ledger writes succeed again; the spool is written");
@@ -725,9 +707,7 @@ mod tests {
         inner: SqliteBackend,
         refuse: AtomicBool,
         commits: AtomicUsize,
-        syncs: AtomicUsize,
         slow: Option<Duration>,
-        slow_sync: Option<Duration>,
     }
 
     #[async_trait]
@@ -757,16 +737,6 @@ mod tests {
         async fn maintain(&self) -> Result<u64> {
             self.inner.maintain().await
         }
-        fn needs_sync(&self) -> bool {
-            self.inner.needs_sync()
-        }
-        async fn sync(&self) -> Result<()> {
-            if let Some(d) = self.slow_sync {
-                tokio::time::sleep(d).await;
-            }
-            self.syncs.fetch_add(1, Ordering::SeqCst);
-            self.inner.sync().await
-        }
     }
 
     async fn faulty(dir: &Path, slow: Option<Duration>, depth: usize) -> (Ledger, Arc<Faulty>) {
@@ -774,9 +744,7 @@ mod tests {
             inner: SqliteBackend::open(&dir.join("l.db")).await.unwrap(),
             refuse: AtomicBool::new(false),
             commits: AtomicUsize::new(0),
-            syncs: AtomicUsize::new(0),
             slow,
-            slow_sync: None,
         });
         (Ledger::start_with_depth(backend.clone(), depth), backend)
     }
@@ -832,27 +800,27 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn i3_a_durable_write_is_acknowledged_only_after_a_sync_that_covers_it() {
+    async fn i3_a_durable_write_is_acknowledged_only_after_its_commit_and_shares_it() {
         // spec: I3
-        // Syncs take 50 ms: every durable put waits for one that started after its commit,
-        // and writes that come meanwhile are committed and share the next sync.
+        // Commits take 50 ms (the store syncs inside its commit): a durable put waits for
+        // the commit that holds it, and writes that come meanwhile share the next one.
         let dir = tempfile::tempdir().unwrap();
-        let backend = Arc::new(Faulty {
-            inner: SqliteBackend::open(&dir.path().join("l.db")).await.unwrap(),
-            refuse: AtomicBool::new(false),
-            commits: AtomicUsize::new(0),
-            syncs: AtomicUsize::new(0),
-            slow: None,
-            slow_sync: Some(Duration::from_millis(50)),
-        });
-        let ledger = Ledger::start(backend.clone());
+        let (ledger, backend) = faulty(dir.path(), Some(Duration::from_millis(50)), QUEUE_DEPTH).await;
         let t = std::time::Instant::now();
         ledger
             .put_request_durable(rec("first", RequestState::CallingApi))
             .await
             .unwrap();
-        assert!(t.elapsed() >= Duration::from_millis(50), "acknowledged before its sync");
-        assert_eq!(backend.syncs.load(Ordering::SeqCst), 1);
+        assert!(
+            t.elapsed() >= Duration::from_millis(50),
+            "acknowledged before its commit"
+        );
+        assert_eq!(backend.commits.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            ledger.get_request("first").await.unwrap().unwrap().state,
+            RequestState::CallingApi,
+            "acknowledged, so readable"
+        );
         let mut puts = Vec::new();
         for n in 0..200 {
             let l = ledger.clone();
@@ -864,13 +832,50 @@ mod tests {
         for p in puts {
             p.await.unwrap().unwrap();
         }
-        let syncs = backend.syncs.load(Ordering::SeqCst);
-        assert!(syncs < 40, "200 durable writes shared their syncs ({syncs})");
-        // A flush is durable too.
-        ledger.put_request(rec("last", RequestState::Done)).await.unwrap();
-        let before = backend.syncs.load(Ordering::SeqCst);
-        ledger.flush().await.unwrap();
-        assert!(backend.syncs.load(Ordering::SeqCst) > before);
+        let commits = backend.commits.load(Ordering::SeqCst);
+        assert!(commits < 40, "200 durable writes shared their commits ({commits})");
+        ledger.close(Duration::from_secs(1)).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn fire_and_forget_writes_ride_with_a_durable_one_or_go_at_the_deadline() {
+        // A request's end and its attempts do not pay for a commit of their own while
+        // durable writes come, and are never held past twice the linger deadline.
+        let dir = tempfile::tempdir().unwrap();
+        let (ledger, backend) = faulty(dir.path(), None, QUEUE_DEPTH).await;
+        // The store's own connections keep real time; the writer's deadline is on the
+        // paused clock from here.
+        tokio::time::pause();
+        let commits = || backend.commits.load(Ordering::SeqCst);
+        ledger.put_request(rec("a", RequestState::Done)).await.unwrap();
+        ledger
+            .put_attempt(AttemptRecord::started("a", 1, "ch", UnixMs(5)))
+            .await
+            .unwrap();
+        tokio::time::sleep(LINGER / 2).await;
+        assert_eq!(commits(), 0, "held for a durable write");
+        ledger
+            .put_request_durable(rec("b", RequestState::CallingApi))
+            .await
+            .unwrap();
+        assert_eq!(commits(), 1, "rode along with it");
+        // With no durable write to ride with, the deadline writes them.
+        ledger.put_request(rec("b", RequestState::Done)).await.unwrap();
+        tokio::time::sleep(LINGER * 2 + Duration::from_millis(1)).await;
+        assert_eq!(commits(), 2, "written by the deadline");
+        // And an idle writer sets no deadline: nothing more is committed.
+        tokio::time::sleep(LINGER * 10).await;
+        assert_eq!(commits(), 2);
+        tokio::time::resume();
+        assert_eq!(
+            ledger.get_request("a").await.unwrap().unwrap().state,
+            RequestState::Done
+        );
+        assert_eq!(ledger.attempts("a").await.unwrap().len(), 1);
+        assert_eq!(
+            ledger.get_request("b").await.unwrap().unwrap().state,
+            RequestState::Done
+        );
         ledger.close(Duration::from_secs(1)).await.unwrap();
     }
 
