@@ -9,7 +9,8 @@
 //! leave on a fixed schedule whether or not earlier ones have answered, so a slow server
 //! cannot slow the offered load down. Latency is taken from the moment each request is
 //! handed to the client (tokio's 1 ms timer would otherwise add up to 1 ms of send jitter
-//! to every sample). Reported: p50/p90/p99 at fixed rates, direct vs through the gateway, for
+//! to every sample); how late the generator was against its schedule is reported beside
+//! it (`send_lag_p99_us`), so a generator starved of CPU cannot pass for a fast server. Reported: p50/p90/p99 at fixed rates, direct vs through the gateway, for
 //! non-streaming requests and for streams (time to first token); the closed-loop
 //! throughput of each with a fixed number of connections; what 1,000 slow streams held at
 //! once cost in memory.
@@ -351,6 +352,10 @@ async fn one(
             at = Some(from.elapsed());
         }
     }
+    if mode == Mode::FirstToken && at.is_none() {
+        // No first token recognised: the sample would be the whole stream's time.
+        return Err(from.elapsed());
+    }
     Ok((at.unwrap_or_else(|| from.elapsed()), attempts))
 }
 
@@ -364,9 +369,14 @@ struct Percentiles {
     max_us: u64,
     ok: u64,
     failed: u64,
+    /// Answers that succeeded ÷ the wall time from the first measured send to the last
+    /// answer: below the offered rate when the server (or the generator) falls behind.
     achieved_rps: f64,
     /// Upstream attempts per successful logical request (retry amplification, F5).
     attempts_per_request: f64,
+    /// How late the generator sent, p99 (its scheduled moment to the send): latency is
+    /// taken from the send, so a generator starved of CPU would otherwise hide load.
+    send_lag_p99_us: u64,
 }
 
 async fn fixed_rate_with(
@@ -382,6 +392,10 @@ async fn fixed_rate_with(
     let hist = Arc::new(std::sync::Mutex::new(
         Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("bounds"),
     ));
+    let lag = Arc::new(std::sync::Mutex::new(
+        Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("bounds"),
+    ));
+    let last_done = Arc::new(std::sync::Mutex::new(None::<Instant>));
     let failed = Arc::new(AtomicU64::new(0));
     let attempts = Arc::new(AtomicU64::new(0));
     let warmup = rate; // one second
@@ -391,7 +405,7 @@ async fn fixed_rate_with(
     for i in 0..total {
         let scheduled = start + Duration::from_nanos(i * 1_000_000_000 / rate);
         tokio::time::sleep_until(scheduled.into()).await;
-        let (client, url, key, payload, hist, failed, attempts) = (
+        let (client, url, key, payload, hist, failed, attempts, lag, last_done) = (
             client.clone(),
             url.to_owned(),
             key.to_owned(),
@@ -399,13 +413,20 @@ async fn fixed_rate_with(
             hist.clone(),
             failed.clone(),
             attempts.clone(),
+            lag.clone(),
+            last_done.clone(),
         );
         tasks.push(tokio::spawn(async move {
+            let late = scheduled.elapsed();
             let result = one(&client, &url, &key, payload, mode).await;
             // The warm-up second counts for nothing, failures included.
             if i < warmup {
                 return;
             }
+            let _ = lag
+                .lock()
+                .map(|mut h| h.saturating_record(late.as_micros().max(1) as u64));
+            let _ = last_done.lock().map(|mut t| *t = Some(Instant::now()));
             let d = match result {
                 Ok((d, n)) => {
                     attempts.fetch_add(n, Ordering::Relaxed);
@@ -416,7 +437,10 @@ async fn fixed_rate_with(
                     d
                 }
             };
-            let _ = hist.lock().map(|mut h| h.record(d.as_micros().max(1) as u64));
+            // Past the histogram's range (60 s) counts as its top, never as nothing.
+            let _ = hist
+                .lock()
+                .map(|mut h| h.saturating_record(d.as_micros().max(1) as u64));
         }));
     }
     for t in tasks {
@@ -426,16 +450,26 @@ async fn fixed_rate_with(
         .lock()
         .map(|h| h.clone())
         .unwrap_or_else(|_| Histogram::new(3).expect("hist"));
+    let failed = failed.load(Ordering::Relaxed);
+    let ok = h.len().saturating_sub(failed);
+    let first_measured = start + Duration::from_secs(1);
+    let wall = last_done
+        .lock()
+        .ok()
+        .and_then(|t| *t)
+        .map(|t| t.saturating_duration_since(first_measured).as_secs_f64())
+        .filter(|w| *w > 0.0)
+        .unwrap_or(secs as f64);
     Percentiles {
         p50_us: h.value_at_quantile(0.50),
         p90_us: h.value_at_quantile(0.90),
         p99_us: h.value_at_quantile(0.99),
         max_us: h.max(),
-        ok: h.len() - failed.load(Ordering::Relaxed),
-        failed: failed.load(Ordering::Relaxed),
-        achieved_rps: (h.len() - failed.load(Ordering::Relaxed)) as f64 / secs as f64,
-        attempts_per_request: attempts.load(Ordering::Relaxed) as f64
-            / (h.len() - failed.load(Ordering::Relaxed)).max(1) as f64,
+        ok,
+        failed,
+        achieved_rps: ok as f64 / wall,
+        attempts_per_request: attempts.load(Ordering::Relaxed) as f64 / ok.max(1) as f64,
+        send_lag_p99_us: lag.lock().map(|h| h.value_at_quantile(0.99)).unwrap_or(0),
     }
 }
 
@@ -1170,7 +1204,11 @@ async fn main() -> Result<()> {
                 limit,
             );
         } else {
-            let sustained = r.spillway.lat.failed == 0 && r.spillway.lat.achieved_rps >= 0.98 * rate as f64;
+            // Sustained: nothing failed, the answers kept pace with the offered rate, and the
+            // generator itself kept its schedule (else the rate was never offered).
+            let sustained = r.spillway.lat.failed == 0
+                && r.spillway.lat.achieved_rps >= 0.98 * rate as f64
+                && r.spillway.lat.send_lag_p99_us < 5_000;
             let limit = 3.0 * (r.forwarder_added_p99_us as f64).max(P99_FLOOR_US);
             let m = r.spillway_added_p99_us as f64;
             let mut v = verdict(
@@ -1182,8 +1220,11 @@ async fn main() -> Result<()> {
             );
             v.met &= sustained;
             v.measured = format!(
-                "{:.0} req/s achieved, {} failed, added p99 {}",
-                r.spillway.lat.achieved_rps, r.spillway.lat.failed, v.measured
+                "{:.0} req/s achieved, {} failed, generator lag p99 {}, added p99 {}",
+                r.spillway.lat.achieved_rps,
+                r.spillway.lat.failed,
+                us(r.spillway.lat.send_lag_p99_us),
+                v.measured
             );
             judge(v, m, limit);
         }
@@ -1290,5 +1331,6 @@ fn fixed_zero() -> Percentiles {
         failed: 0,
         achieved_rps: 0.0,
         attempts_per_request: 0.0,
+        send_lag_p99_us: 0,
     }
 }
