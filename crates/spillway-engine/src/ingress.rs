@@ -431,7 +431,7 @@ where
         // Out of `self` while it runs: a future that panics mid-poll is dropped as the
         // panic unwinds, and never handed on to be polled again.
         let Some(mut fut) = self.fut.take() else {
-            return std::task::Poll::Pending;
+            panic!("Detach polled after it completed");
         };
         match fut.as_mut().poll(cx) {
             std::task::Poll::Ready(out) => std::task::Poll::Ready(out),

@@ -103,7 +103,10 @@ pub enum Durability {
 pub struct SqliteBackend {
     /// Held as long as the backend lives: one writing process per ledger.
     _lock: LedgerLock,
-    writer: Mutex<SqliteConnection>,
+    /// The writer connection, and whether a transaction may have been left open on it (a
+    /// batch of several statements failed and its ROLLBACK did not go through): until one
+    /// does, nothing is written, as a commit inside it would neither commit nor sync.
+    writer: Mutex<(SqliteConnection, bool)>,
     readers: SqlitePool,
     /// Checkpoints need a writable connection that is not the writer's.
     maintenance: Mutex<SqliteConnection>,
@@ -171,7 +174,7 @@ impl SqliteBackend {
             .await?;
         Ok(SqliteBackend {
             _lock: lock,
-            writer: Mutex::new(writer),
+            writer: Mutex::new((writer, false)),
             readers,
             maintenance: Mutex::new(maintenance),
             wal_restart_bytes: WAL_RESTART_BYTES,
@@ -417,7 +420,16 @@ impl LedgerBackend for SqliteBackend {
         if requests.is_empty() && attempts.is_empty() {
             return Ok(());
         }
-        let mut conn = self.writer.lock().await;
+        let mut guard = self.writer.lock().await;
+        let (conn, in_doubt) = &mut *guard;
+        if *in_doubt {
+            match sqlx::query("ROLLBACK").execute(&mut *conn).await {
+                Ok(_) => *in_doubt = false,
+                // Nothing was open after all.
+                Err(e) if e.to_string().contains("no transaction is active") => *in_doubt = false,
+                Err(e) => return Err(e.into()),
+            }
+        }
         // Every command to sqlx's SQLite connection is a hand-off to its worker thread and
         // back, and every statement's result one more wake-up of this task: a batch is one
         // statement (see `BATCH_VIEW`), committed in autocommit. Only a batch too large
@@ -446,7 +458,7 @@ impl LedgerBackend for SqliteBackend {
         if let Err(e) = result {
             if several {
                 // The statement that failed left the transaction open.
-                let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
+                *in_doubt = sqlx::query("ROLLBACK").execute(&mut *conn).await.is_err();
             }
             return Err(e.into());
         }
@@ -520,13 +532,14 @@ impl LedgerBackend for SqliteBackend {
     }
 
     async fn mark_interrupted_unknown(&self) -> Result<u64> {
-        let mut conn = self.writer.lock().await;
+        let mut writer = self.writer.lock().await;
+        let conn = &mut writer.0;
         let r = sqlx::query(
             "UPDATE requests SET state = 'unknown', error_class = 'interrupted', \
              error_message = 'the gateway stopped while this request was calling the provider' \
              WHERE state = 'calling_api'",
         )
-        .execute(&mut *conn)
+        .execute(conn)
         .await?;
         Ok(r.rows_affected())
     }

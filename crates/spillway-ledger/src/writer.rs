@@ -30,8 +30,9 @@ const QUEUE_DEPTH: usize = 65_536;
 /// queue, which then fills and holds its writers back.
 const SPOOL_MAX: usize = 100_000;
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
-/// How long fire-and-forget writes wait for a durable write to share a commit with (at
-/// most twice this, see `write_loop`).
+/// How long fire-and-forget writes wait for a durable write to share a commit with: at
+/// most twice this, plus a commit in progress (see `write_loop`), while the store takes
+/// commits; a store that refuses them holds everything in the spool until it takes them.
 const LINGER: Duration = Duration::from_millis(20);
 /// Between two tries of a store that refused a commit.
 const RETRY_EVERY: Duration = Duration::from_millis(500);
@@ -77,13 +78,16 @@ struct QueueState {
     /// The writer has its linger deadline set and will come back for fire-and-forget
     /// operations by then: queuing one need not wake it.
     lingering: bool,
+    /// Queued operations at which the writer is woken, lingering or not: a full batch, or
+    /// a queue about to hold its writers back.
+    wake_at: usize,
     closed: bool,
 }
 
 impl QueueState {
     /// Whether the writer has something to do now.
     fn has_work(&self) -> bool {
-        self.closed || self.waited > 0 || self.ops.len() >= MAX_BATCH || (!self.lingering && !self.ops.is_empty())
+        self.closed || self.waited > 0 || self.ops.len() >= self.wake_at || (!self.lingering && !self.ops.is_empty())
     }
 
     /// Queues `op`; whether the writer must be woken for it.
@@ -94,7 +98,7 @@ impl QueueState {
         // A fire-and-forget write rides along with the next durable one, or goes at the
         // linger deadline: waking the writer for each (a wake-up of another thread, most
         // of the time) cost more than the write itself.
-        waited || !self.lingering || self.ops.len() >= MAX_BATCH
+        waited || !self.lingering || self.ops.len() >= self.wake_at
     }
 }
 
@@ -305,6 +309,7 @@ impl Ledger {
                 ops: VecDeque::new(),
                 waited: 0,
                 lingering: false,
+                wake_at: MAX_BATCH.min(depth),
                 closed: false,
             }),
             depth,
