@@ -25,7 +25,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::Serialize;
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -511,13 +511,18 @@ fn clock_ticks() -> u64 {
         .unwrap_or(100)
 }
 
-/// CPU time (user + system, every thread, exited ones included) a process has used, µs.
-fn cpu_us(pid: u32, tck: u64) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+/// User + system CPU time in a `/proc/.../stat` file, µs: for a process (`/proc/PID/stat`),
+/// every thread's, exited ones included; for a thread (`/proc/PID/task/TID/stat`), its own.
+fn stat_cpu_us(path: &Path, tck: u64) -> Option<u64> {
+    let s = std::fs::read_to_string(path).ok()?;
     // Fields after the command name, which may itself hold spaces and parentheses.
     let f: Vec<&str> = s.get(s.rfind(')')? + 2..)?.split_whitespace().collect();
     let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
     Some(ticks * 1_000_000 / tck)
+}
+
+fn cpu_us(pid: u32, tck: u64) -> Option<u64> {
+    stat_cpu_us(Path::new(&format!("/proc/{pid}/stat")), tck)
 }
 
 /// CPU time the threads of a process named `sqlx-sqlite-*` have used, µs: the ledger's
@@ -526,19 +531,9 @@ fn ledger_cpu_us(pid: u32, tck: u64) -> Option<u64> {
     let mut total = 0;
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.flatten() {
         let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if !comm.starts_with("sqlx-sqlite") {
-            continue;
+        if comm.starts_with("sqlx-sqlite") {
+            total += stat_cpu_us(&task.path().join("stat"), tck).unwrap_or(0);
         }
-        let Some(stat) = std::fs::read_to_string(task.path().join("stat")).ok() else {
-            continue;
-        };
-        let Some(rest) = stat.rfind(')').and_then(|i| stat.get(i + 2..)) else {
-            continue;
-        };
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        let ticks = f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
-            + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-        total += ticks * 1_000_000 / tck;
     }
     Some(total)
 }

@@ -403,53 +403,34 @@ async fn handle<C: Caller>(
 /// The common path spawns nothing. A task spawned per request (what this replaced) woke
 /// the runtime's other worker thread for every request, and the hand-back woke this one:
 /// about a third of the gateway's context switches at 500 req/s.
-struct Detach<F: Future + Send + 'static>
-where
-    F::Output: Send + 'static,
-{
-    fut: Option<std::pin::Pin<Box<F>>>,
-}
+struct Detach<T: Send + 'static>(Option<std::pin::Pin<Box<dyn Future<Output = T> + Send>>>);
 
-impl<F: Future + Send + 'static> Detach<F>
-where
-    F::Output: Send + 'static,
-{
-    fn new(fut: F) -> Detach<F> {
-        Detach {
-            fut: Some(Box::pin(fut)),
-        }
+impl<T: Send + 'static> Detach<T> {
+    fn new(fut: impl Future<Output = T> + Send + 'static) -> Detach<T> {
+        Detach(Some(Box::pin(fut)))
     }
 }
 
-impl<F: Future + Send + 'static> Future for Detach<F>
-where
-    F::Output: Send + 'static,
-{
-    type Output = F::Output;
+impl<T: Send + 'static> Future for Detach<T> {
+    type Output = T;
 
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<F::Output> {
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<T> {
         // Out of `self` while it runs: a future that panics mid-poll is dropped as the
         // panic unwinds, and never handed on to be polled again.
-        let Some(mut fut) = self.fut.take() else {
+        let Some(mut fut) = self.0.take() else {
             panic!("Detach polled after it completed");
         };
-        match fut.as_mut().poll(cx) {
-            std::task::Poll::Ready(out) => std::task::Poll::Ready(out),
-            std::task::Poll::Pending => {
-                self.fut = Some(fut);
-                std::task::Poll::Pending
-            }
+        let poll = fut.as_mut().poll(cx);
+        if poll.is_pending() {
+            self.0 = Some(fut);
         }
+        poll
     }
 }
 
-impl<F: Future + Send + 'static> Drop for Detach<F>
-where
-    F::Output: Send + 'static,
-{
+impl<T: Send + 'static> Drop for Detach<T> {
     fn drop(&mut self) {
-        let Some(fut) = self.fut.take() else { return };
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        if let (Some(fut), Ok(rt)) = (self.0.take(), tokio::runtime::Handle::try_current()) {
             rt.spawn(fut);
         }
     }

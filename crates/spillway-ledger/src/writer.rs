@@ -89,17 +89,6 @@ impl QueueState {
     fn has_work(&self) -> bool {
         self.closed || self.waited > 0 || self.ops.len() >= self.wake_at || (!self.lingering && !self.ops.is_empty())
     }
-
-    /// Queues `op`; whether the writer must be woken for it.
-    fn add(&mut self, op: Op) -> bool {
-        let waited = op.is_waited_on();
-        self.waited += usize::from(waited);
-        self.ops.push_back(op);
-        // A fire-and-forget write rides along with the next durable one, or goes at the
-        // linger deadline: waking the writer for each (a wake-up of another thread, most
-        // of the time) cost more than the write itself.
-        waited || !self.lingering || self.ops.len() >= self.wake_at
-    }
 }
 
 /// The FIFO between the request path and the writer.
@@ -122,19 +111,29 @@ impl Queue {
 
     /// Queues `op` if there is room; gives it back when the queue is full.
     fn try_push(&self, op: Op) -> Result<Option<Op>> {
-        let mut q = self.lock();
+        let q = self.lock();
         if q.closed {
             return Err(Error::WriterStopped);
         }
         if q.ops.len() >= self.depth {
             return Ok(Some(op));
         }
-        let wake = q.add(op);
+        self.enqueue(q, op);
+        Ok(None)
+    }
+
+    /// Queues `op` under the held lock, and wakes the writer only if it has work now. A
+    /// fire-and-forget write rides along with the next durable one, or goes at the linger
+    /// deadline: waking the writer for each (a wake-up of another thread, most of the
+    /// time) cost more than the write itself.
+    fn enqueue(&self, mut q: std::sync::MutexGuard<'_, QueueState>, op: Op) {
+        q.waited += usize::from(op.is_waited_on());
+        q.ops.push_back(op);
+        let wake = q.has_work();
         drop(q);
         if wake {
             self.work.notify_one();
         }
-        Ok(None)
     }
 
     /// Queues `op`, waiting while the queue is full.
@@ -159,15 +158,11 @@ impl Queue {
     /// Queues `op` at once, full or not. For code that cannot wait (a stream's end runs
     /// in `poll` or `drop`); such writes are bounded by the streams in flight.
     fn push_now(&self, op: Op) -> Result<()> {
-        let mut q = self.lock();
+        let q = self.lock();
         if q.closed {
             return Err(Error::WriterStopped);
         }
-        let wake = q.add(op);
-        drop(q);
-        if wake {
-            self.work.notify_one();
-        }
+        self.enqueue(q, op);
         Ok(())
     }
 
