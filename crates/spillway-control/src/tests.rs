@@ -1,0 +1,408 @@
+//! Every state machine on tokio's paused clock: thresholds at their exact edge.
+
+use crate::breaker::*;
+use crate::budget::*;
+use crate::outlier::*;
+use crate::Outcome;
+use std::time::Duration;
+use tokio::time::{Instant, advance};
+
+const MS: Duration = Duration::from_millis(1);
+
+fn breaker() -> Breaker {
+    Breaker::new(BreakerConfig::default(), Instant::now())
+}
+
+/// Feeds `fails` provider failures among `total` attempts, failures spread evenly.
+fn feed(b: &mut Breaker, total: usize, fails: usize) -> Option<Transition> {
+    let mut t = None;
+    for i in 0..total {
+        let failed = i * fails / total != (i + 1) * fails / total;
+        let o = if failed { Outcome::ProviderFailure } else { Outcome::Success };
+        if let Some(x) = b.on_attempt(o, 100 * MS, Instant::now()) {
+            t = Some(x);
+        }
+    }
+    t
+}
+
+#[tokio::test(start_paused = true)]
+async fn g1_24_of_50_failures_stay_closed_25_open() {
+    // spec: G1
+    let mut b = breaker();
+    assert_eq!(feed(&mut b, 50, 24), None);
+    assert_eq!(b.state(), BreakerState::Closed);
+    assert_eq!(b.view(Instant::now()).recent_failures, 24);
+    // The window slides: one more failure replacing a success makes 25 of the last 50.
+    let mut b = breaker();
+    feed(&mut b, 50, 24);
+    let t = b.on_attempt(Outcome::ProviderFailure, MS, Instant::now()).expect("opens");
+    assert_eq!((t.from, t.to, t.trigger), (BreakerState::Closed, BreakerState::Open, Trigger::ServerErrors));
+    assert!(t.reason.starts_with("25 of the last 50 attempts failed"), "{}", t.reason);
+    assert_eq!(t.figures[0].value, 25.0);
+    // Open: nothing goes out, and the refusal says when the first probe is.
+    match b.admit(Instant::now()).0 {
+        Admission::Refuse { retry_after, .. } => assert_eq!(retry_after, Duration::from_secs(30)),
+        a => panic!("{a:?}"),
+    }
+    // 429s and client errors are not provider failures.
+    let mut b = breaker();
+    for _ in 0..50 {
+        b.on_attempt(Outcome::Neutral, MS, Instant::now());
+    }
+    assert_eq!(b.state(), BreakerState::Closed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn g1_429s_for_2_59_stay_closed_3_00_opens() {
+    // spec: G1
+    let mut b = breaker();
+    for _ in 0..179 {
+        assert_eq!(b.on_attempt(Outcome::RateLimited, MS, Instant::now()), None);
+        advance(Duration::from_secs(1)).await;
+    }
+    // 2:59 of 429s.
+    assert_eq!(b.on_attempt(Outcome::RateLimited, MS, Instant::now()), None);
+    assert_eq!(b.view(Instant::now()).rate_limited_for_ms, Some(179_000));
+    advance(Duration::from_secs(1)).await;
+    let t = b.on_attempt(Outcome::RateLimited, MS, Instant::now()).expect("3:00 opens");
+    assert_eq!(t.trigger, Trigger::RateLimited);
+    // One success breaks the run.
+    let mut b = breaker();
+    b.on_attempt(Outcome::RateLimited, MS, Instant::now());
+    advance(Duration::from_secs(120)).await;
+    b.on_attempt(Outcome::Success, MS, Instant::now());
+    advance(Duration::from_secs(60)).await;
+    assert_eq!(b.on_attempt(Outcome::RateLimited, MS, Instant::now()), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn g1_p95_wait_above_80_percent_of_the_slo_opens() {
+    // spec: G1
+    let mut b = breaker();
+    b.set_wait_slo(Some(Duration::from_millis(1000)));
+    // 19 slow waits: too few samples to judge.
+    for _ in 0..19 {
+        assert_eq!(b.on_wait(900 * MS, Instant::now()), None);
+    }
+    // 100 waits whose P95 is exactly 800 ms (80 %): not above, stays closed.
+    let mut b = breaker();
+    b.set_wait_slo(Some(Duration::from_millis(1000)));
+    for i in 0..100u64 {
+        let w = if i < 95 { 10 * MS } else { 800 * MS };
+        let w = if i == 94 { 800 * MS } else { w };
+        assert_eq!(b.on_wait(w, Instant::now()), None, "wait {i}");
+    }
+    let t = b.on_wait(801 * MS, Instant::now());
+    assert!(t.is_none(), "one more slow wait moves the P95 only when it is the 95th");
+    for _ in 0..5 {
+        if let Some(t) = b.on_wait(900 * MS, Instant::now()) {
+            assert_eq!(t.trigger, Trigger::SlowWait);
+            assert!(t.reason.contains("1000 ms SLO"), "{}", t.reason);
+            return;
+        }
+    }
+    panic!("P95 above 800 ms did not open");
+}
+
+#[tokio::test(start_paused = true)]
+async fn g1_cost_above_a_quarter_of_the_daily_budget_opens() {
+    // spec: G1
+    let mut b = breaker();
+    assert_eq!(b.on_cost(25.0, 100.0, Instant::now()), None);
+    assert_eq!(b.on_cost(25.01, 100.0, Instant::now()).unwrap().trigger, Trigger::Cost);
+}
+
+/// Opens `b` and lets its cool-down pass.
+async fn to_probation(b: &mut Breaker) {
+    feed(b, 25, 25);
+    assert_eq!(b.state(), BreakerState::Open);
+    advance(Duration::from_secs(30)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn g3_five_probes_one_at_a_time_close_it() {
+    // spec: G3, G2
+    let mut b = breaker();
+    feed(&mut b, 100, 0); // a normal of 100 ms
+    to_probation(&mut b).await;
+    // Never closed by time alone: an hour later it is still not closed until probes pass.
+    advance(Duration::from_secs(3600)).await;
+    assert_eq!(b.state(), BreakerState::Open);
+    let (a, t) = b.admit(Instant::now());
+    assert_eq!(a, Admission::Probe);
+    assert_eq!(t.unwrap().trigger, Trigger::CoolDownOver);
+    // One at a time: a second request while the probe runs is refused.
+    assert!(matches!(b.admit(Instant::now()).0, Admission::Refuse { .. }));
+    for i in 1..=5 {
+        if i > 1 {
+            assert_eq!(b.admit(Instant::now()).0, Admission::Probe);
+        }
+        let t = b.probe_result(Outcome::Success, 120 * MS, false, Instant::now());
+        if i < 5 {
+            assert_eq!(t, None);
+            assert_eq!(b.view(Instant::now()).probes_passed, i);
+        } else {
+            let t = t.expect("closes");
+            assert_eq!((t.to, t.trigger), (BreakerState::Closed, Trigger::ProbationPassed));
+        }
+    }
+    assert_eq!(b.admit(Instant::now()).0, Admission::Send);
+}
+
+#[tokio::test(start_paused = true)]
+async fn g3_each_way_probation_fails_opens_again_for_longer() {
+    // spec: G3
+    // A failed probe.
+    let mut b = breaker();
+    feed(&mut b, 100, 0);
+    to_probation(&mut b).await;
+    b.admit(Instant::now());
+    b.probe_result(Outcome::Success, 100 * MS, false, Instant::now());
+    b.admit(Instant::now());
+    let t = b.probe_result(Outcome::ProviderFailure, 100 * MS, false, Instant::now()).unwrap();
+    assert_eq!((t.to, t.trigger), (BreakerState::Open, Trigger::ProbeFailed));
+    assert!(t.reason.contains("probe 2 of 5"), "{}", t.reason);
+    // The cool-down doubled.
+    assert_eq!(b.view(Instant::now()).probe_in_ms, Some(60_000));
+    advance(Duration::from_secs(60)).await;
+    // A 429 probe fails it too; the cool-down doubles again.
+    assert_eq!(b.admit(Instant::now()).0, Admission::Probe);
+    let t = b.probe_result(Outcome::RateLimited, MS, false, Instant::now()).unwrap();
+    assert_eq!(t.trigger, Trigger::ProbeFailed);
+    assert_eq!(b.view(Instant::now()).probe_in_ms, Some(120_000));
+
+    // Five successes, but slow: P95 above 1.5 × the normal.
+    let mut b = breaker();
+    feed(&mut b, 100, 0);
+    to_probation(&mut b).await;
+    for _ in 0..5 {
+        assert_eq!(b.admit(Instant::now()).0, Admission::Probe);
+        if let Some(t) = b.probe_result(Outcome::Success, 151 * MS, false, Instant::now()) {
+            assert_eq!(t.trigger, Trigger::ProbeSlow);
+        }
+    }
+    assert_eq!(b.state(), BreakerState::Open);
+    // Exactly 1.5 × passes.
+    let mut b = breaker();
+    feed(&mut b, 100, 0);
+    to_probation(&mut b).await;
+    for _ in 0..5 {
+        b.admit(Instant::now());
+        b.probe_result(Outcome::Success, 150 * MS, false, Instant::now());
+    }
+    assert_eq!(b.state(), BreakerState::Closed);
+
+    // A duplicate.
+    let mut b = breaker();
+    to_probation(&mut b).await;
+    b.admit(Instant::now());
+    let t = b.probe_result(Outcome::Success, MS, true, Instant::now()).unwrap();
+    assert_eq!(t.trigger, Trigger::ProbeDuplicate);
+
+    // A probe the client abandoned is given back, as is one that says nothing (a 400).
+    let mut b = breaker();
+    to_probation(&mut b).await;
+    b.admit(Instant::now());
+    b.probe_abandoned();
+    b.admit(Instant::now());
+    b.probe_result(Outcome::Neutral, MS, false, Instant::now());
+    assert_eq!(b.view(Instant::now()).probes_sent, 0);
+    assert_eq!(b.admit(Instant::now()).0, Admission::Probe);
+}
+
+#[tokio::test(start_paused = true)]
+async fn g4_operators_open_and_close_by_hand() {
+    // spec: G4
+    let mut b = breaker();
+    let t = b.force_open("provider incident INC-42", Instant::now()).unwrap();
+    assert_eq!((t.to, t.trigger), (BreakerState::Open, Trigger::Operator));
+    assert!(t.reason.contains("INC-42"));
+    // An operator's breaker never goes to probation by itself.
+    advance(Duration::from_secs(86_400)).await;
+    assert!(matches!(b.admit(Instant::now()).0, Admission::Refuse { .. }));
+    assert_eq!(b.force_open("again", Instant::now()), None, "already open by hand");
+    let t = b.force_close("incident resolved", Instant::now()).unwrap();
+    assert_eq!(t.to, BreakerState::Closed);
+    assert_eq!(b.force_close("twice", Instant::now()), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn g4_a_restart_keeps_an_open_breaker_open() {
+    // spec: G4
+    let mut b = breaker();
+    feed(&mut b, 100, 0);
+    feed(&mut b, 25, 25);
+    let snap = b.snapshot(Instant::now());
+    let json = serde_json::to_string(&snap).unwrap();
+    let back: BreakerSnapshot = serde_json::from_str(&json).unwrap();
+    // Restored 10 s later: 20 s of cool-down left, the normal kept.
+    let mut r = Breaker::restore(BreakerConfig::default(), &back, Duration::from_secs(10), Instant::now());
+    assert_eq!(r.state(), BreakerState::Open);
+    let v = r.view(Instant::now());
+    assert_eq!(v.probe_in_ms, Some(20_000));
+    assert_eq!(v.normal_latency_ms, Some(100.0));
+    assert_eq!(v.trigger, Some(Trigger::ServerErrors));
+    // A probation cut by a restart starts again, open, with its probe due at once.
+    advance(Duration::from_secs(30)).await;
+    b.admit(Instant::now());
+    assert_eq!(b.state(), BreakerState::Probation);
+    let mut r = Breaker::restore(BreakerConfig::default(), &b.snapshot(Instant::now()), Duration::ZERO, Instant::now());
+    assert_eq!(r.state(), BreakerState::Open);
+    assert_eq!(r.admit(Instant::now()).0, Admission::Probe);
+    // An operator's breaker stays theirs.
+    let mut b = breaker();
+    b.force_open("x", Instant::now());
+    let r = Breaker::restore(BreakerConfig::default(), &b.snapshot(Instant::now()), Duration::from_secs(99_999), Instant::now());
+    assert_eq!(r.snapshot(Instant::now()).probe_in_ms, None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn f4_retries_are_at_most_a_fifth_of_new_requests() {
+    // spec: F4
+    let mut budget = RetryBudget::new(0.2, 0, Duration::from_secs(10), Instant::now());
+    for _ in 0..100 {
+        budget.request(Instant::now());
+    }
+    let granted = (0..50).filter(|_| budget.try_retry(Instant::now())).count();
+    assert_eq!(granted, 20);
+    // The window slides: ten seconds later the old requests no longer pay for retries.
+    advance(Duration::from_secs(10)).await;
+    assert!(!budget.try_retry(Instant::now()));
+    assert_eq!(budget.figures(Instant::now()), (0, 0, 0));
+    for _ in 0..10 {
+        budget.request(Instant::now());
+    }
+    assert!(budget.try_retry(Instant::now()) && budget.try_retry(Instant::now()));
+    assert!(!budget.try_retry(Instant::now()));
+    // A floor lets a quiet route retry its rare failure.
+    let mut quiet = RetryBudget::new(0.2, 2, Duration::from_secs(10), Instant::now());
+    quiet.request(Instant::now());
+    assert!(quiet.try_retry(Instant::now()) && quiet.try_retry(Instant::now()));
+    assert!(!quiet.try_retry(Instant::now()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn f5_amplification_and_post_retry_success_per_window() {
+    // spec: F5, F4, N1
+    let mut a = Amplification::new(Instant::now());
+    // An hour ago: 10 requests of 3 attempts each, none succeeding.
+    for _ in 0..10 {
+        a.finished(3, false, Instant::now());
+    }
+    advance(Duration::from_secs(30 * 60)).await;
+    // Now: 8 first-time successes, 2 retried once (one succeeded).
+    for _ in 0..8 {
+        a.finished(1, true, Instant::now());
+    }
+    a.finished(2, true, Instant::now());
+    a.finished(2, false, Instant::now());
+    let v = a.view(Instant::now());
+    assert_eq!(v.last_1m.amplification, Some(1.2));
+    assert_eq!(v.last_1m.post_retry_success, Some(0.5));
+    assert_eq!((v.last_1h.requests, v.last_1h.attempts), (20, 42));
+    assert!(!v.holding_low_priority, "1.2 is the limit, not above it");
+    a.finished(2, true, Instant::now());
+    assert!(a.view(Instant::now()).holding_low_priority);
+    advance(Duration::from_secs(31 * 60)).await;
+    let v = a.view(Instant::now());
+    assert_eq!(v.last_1h.requests, 11, "the oldest bucket left the hour");
+    assert_eq!(v.last_1m, WindowFigures::default());
+}
+
+fn outlier() -> Outlier {
+    Outlier::new(OutlierConfig::default(), Instant::now())
+}
+
+fn fail(o: &mut Outlier, n: u32) -> Option<OutlierTransition> {
+    let mut t = None;
+    for _ in 0..n {
+        if let Some(x) = o.observe(Outcome::ProviderFailure, MS, Instant::now()) {
+            t = Some(x);
+        }
+    }
+    t
+}
+
+#[tokio::test(start_paused = true)]
+async fn d5_ejections_grow_and_come_back_gradually() {
+    // spec: D5
+    let mut o = outlier();
+    assert_eq!(fail(&mut o, 4), None);
+    o.observe(Outcome::Success, MS, Instant::now());
+    assert_eq!(fail(&mut o, 4), None, "a success breaks the run");
+    let t = fail(&mut o, 1).expect("5 in a row eject");
+    assert!(t.ejected);
+    assert_eq!((t.cool_down, t.ejections), (Duration::from_secs(30), 1));
+    assert_eq!(o.share(Instant::now()), 0.0);
+    assert_eq!(o.ejected(Instant::now()).unwrap().0, Duration::from_secs(30));
+    advance(Duration::from_secs(30)).await;
+    let back = o.advance(Instant::now()).expect("back");
+    assert!(!back.ejected);
+    // Back gradually: a tenth of its share at first, full after as long as the cool-down.
+    assert!((o.share(Instant::now()) - 0.1).abs() < 1e-9);
+    advance(Duration::from_secs(15)).await;
+    assert!((o.share(Instant::now()) - 0.55).abs() < 1e-9);
+    // One failure while coming back: out again, for twice as long.
+    let t = fail(&mut o, 1).unwrap();
+    assert_eq!((t.cool_down, t.ejections), (Duration::from_secs(60), 2));
+    advance(Duration::from_secs(60)).await;
+    o.advance(Instant::now());
+    let t = fail(&mut o, 1).unwrap();
+    assert_eq!(t.cool_down, Duration::from_secs(120));
+    // Capped.
+    for _ in 0..10 {
+        let (left, _) = o.ejected(Instant::now()).unwrap();
+        advance(left).await;
+        o.advance(Instant::now());
+        fail(&mut o, 1);
+    }
+    assert_eq!(o.ejected(Instant::now()).unwrap().0, Duration::from_secs(600));
+    // Healthy for ten minutes: the count starts again.
+    advance(Duration::from_secs(600 + 600 + 599)).await;
+    o.advance(Instant::now());
+    assert_eq!(o.ejections(), 13, "healthy for 9:59 only");
+    advance(Duration::from_secs(1)).await;
+    o.advance(Instant::now());
+    assert_eq!(o.ejections(), 0);
+    assert_eq!(fail(&mut o, 5).unwrap().cool_down, Duration::from_secs(30));
+}
+
+#[tokio::test(start_paused = true)]
+async fn d5_an_ejection_survives_a_restart() {
+    // spec: D5
+    let mut o = outlier();
+    fail(&mut o, 5);
+    let s = o.snapshot(Instant::now());
+    let r = Outlier::restore(OutlierConfig::default(), &s, Duration::from_secs(12), Instant::now());
+    assert_eq!(r.ejected(Instant::now()).unwrap().0, Duration::from_secs(18));
+    assert_eq!(r.ejections(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn d4_twice_its_normal_latency_cuts_a_channels_share() {
+    // spec: D4
+    let mut o = outlier();
+    for _ in 0..600 {
+        o.observe(Outcome::Success, 100 * MS, Instant::now());
+        advance(Duration::from_secs(1)).await;
+    }
+    assert!((o.share(Instant::now()) - 1.0).abs() < 1e-6);
+    // Now twice as slow for a few seconds: the peak jumps, the normal barely moves.
+    for _ in 0..3 {
+        o.observe(Outcome::Success, 200 * MS, Instant::now());
+        advance(Duration::from_millis(100)).await;
+    }
+    let s = o.share(Instant::now());
+    assert!((0.2..0.3).contains(&s), "share {s}");
+    // Left alone, the estimate decays back and the channel is tried again.
+    advance(Duration::from_secs(60)).await;
+    assert!(o.share(Instant::now()) > 0.95);
+    // Errors lower it too.
+    let mut e = outlier();
+    for _ in 0..3 {
+        e.observe(Outcome::ProviderFailure, MS, Instant::now());
+        e.observe(Outcome::Success, MS, Instant::now());
+    }
+    assert!(e.share(Instant::now()) < 0.8);
+}
