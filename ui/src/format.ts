@@ -84,6 +84,8 @@ const GATEWAY_CLASS: Record<GatewayClass, string> = {
   capacity_queue_full: 'capacity queue full',
   key_limited: 'key limit',
   no_channel_in_rotation: 'no channel in rotation',
+  breaker_open: 'breaker open',
+  channels_cooling_down: 'channels cooling down',
   ledger_unavailable: 'ledger unavailable',
   client_disconnected: 'client disconnected',
   client_stalled: 'client stopped reading',
@@ -114,6 +116,8 @@ const STOP: Record<StopReason, string> = {
   no_channel_left: 'no channel left',
   client_gone: 'the client went away',
   interrupted: 'the gateway stopped during the call',
+  retry_budget_exhausted: "the route's retry budget was spent",
+  breaker_open: "the route's breaker opened",
 }
 
 /** What happened after an attempt, in words (F2 decisions). */
@@ -142,8 +146,10 @@ export function rotationPill(s: RotationState): string {
     case 'ready':
       return 'pill ok'
     case 'paced':
+    case 'recovering':
       return 'pill warn'
     case 'ejected':
+    case 'cooling':
       return 'pill bad'
   }
 }

@@ -303,9 +303,7 @@ impl Breaker {
     /// G2, G3: whether a request may go out now. The transition is the cool-down ending.
     pub fn admit(&mut self, now: Instant) -> (Admission, Option<Transition>) {
         let mut moved = None;
-        if let State::Open {
-            probe_at: Some(at), ..
-        } = self.state
+        if let State::Open { probe_at: Some(at), .. } = self.state
             && now >= at
         {
             let reason = format!(
@@ -454,7 +452,10 @@ impl Breaker {
             return Some(self.open(
                 Trigger::Cost,
                 reason,
-                vec![fig("last_hour_usd", last_hour_usd), fig("daily_budget_usd", daily_budget_usd)],
+                vec![
+                    fig("last_hour_usd", last_hour_usd),
+                    fig("daily_budget_usd", daily_budget_usd),
+                ],
                 now,
             ));
         }

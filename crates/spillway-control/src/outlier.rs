@@ -47,7 +47,11 @@ enum State {
     /// In rotation at the share its latency and errors earn.
     Healthy { since: Instant },
     /// Out of rotation until `until`.
-    Ejected { until: Instant, cool_down: Duration, reason: String },
+    Ejected {
+        until: Instant,
+        cool_down: Duration,
+        reason: String,
+    },
     /// Back in rotation after a cool-down; its share ramps from 10 % to full over `ramp`.
     Recovering { since: Instant, ramp: Duration },
 }
@@ -138,7 +142,9 @@ impl Outlier {
                 self.state = State::Healthy { since: since + ramp };
                 None
             }
-            State::Healthy { since } if self.ejections > 0 && now.saturating_duration_since(since) >= self.cfg.forget_after => {
+            State::Healthy { since }
+                if self.ejections > 0 && now.saturating_duration_since(since) >= self.cfg.forget_after =>
+            {
                 self.ejections = 0;
                 None
             }
@@ -265,6 +271,8 @@ impl Outlier {
     pub fn share(&self, now: Instant) -> f64 {
         let ramp = match self.state {
             State::Ejected { until, .. } if now < until => return 0.0,
+            // Over, but not yet moved on by `advance`: the ramp's start.
+            State::Ejected { .. } => 0.1,
             State::Recovering { since, ramp } if !ramp.is_zero() => {
                 let p = now.saturating_duration_since(since).as_secs_f64() / ramp.as_secs_f64();
                 0.1 + 0.9 * p.min(1.0)

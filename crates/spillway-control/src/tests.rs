@@ -1,9 +1,9 @@
 //! Every state machine on tokio's paused clock: thresholds at their exact edge.
 
+use crate::Outcome;
 use crate::breaker::*;
 use crate::budget::*;
 use crate::outlier::*;
-use crate::Outcome;
 use std::time::Duration;
 use tokio::time::{Instant, advance};
 
@@ -18,7 +18,11 @@ fn feed(b: &mut Breaker, total: usize, fails: usize) -> Option<Transition> {
     let mut t = None;
     for i in 0..total {
         let failed = i * fails / total != (i + 1) * fails / total;
-        let o = if failed { Outcome::ProviderFailure } else { Outcome::Success };
+        let o = if failed {
+            Outcome::ProviderFailure
+        } else {
+            Outcome::Success
+        };
         if let Some(x) = b.on_attempt(o, 100 * MS, Instant::now()) {
             t = Some(x);
         }
@@ -36,9 +40,18 @@ async fn g1_24_of_50_failures_stay_closed_25_open() {
     // The window slides: one more failure replacing a success makes 25 of the last 50.
     let mut b = breaker();
     feed(&mut b, 50, 24);
-    let t = b.on_attempt(Outcome::ProviderFailure, MS, Instant::now()).expect("opens");
-    assert_eq!((t.from, t.to, t.trigger), (BreakerState::Closed, BreakerState::Open, Trigger::ServerErrors));
-    assert!(t.reason.starts_with("25 of the last 50 attempts failed"), "{}", t.reason);
+    let t = b
+        .on_attempt(Outcome::ProviderFailure, MS, Instant::now())
+        .expect("opens");
+    assert_eq!(
+        (t.from, t.to, t.trigger),
+        (BreakerState::Closed, BreakerState::Open, Trigger::ServerErrors)
+    );
+    assert!(
+        t.reason.starts_with("25 of the last 50 attempts failed"),
+        "{}",
+        t.reason
+    );
     assert_eq!(t.figures[0].value, 25.0);
     // Open: nothing goes out, and the refusal says when the first probe is.
     match b.admit(Instant::now()).0 {
@@ -65,7 +78,9 @@ async fn g1_429s_for_2_59_stay_closed_3_00_opens() {
     assert_eq!(b.on_attempt(Outcome::RateLimited, MS, Instant::now()), None);
     assert_eq!(b.view(Instant::now()).rate_limited_for_ms, Some(179_000));
     advance(Duration::from_secs(1)).await;
-    let t = b.on_attempt(Outcome::RateLimited, MS, Instant::now()).expect("3:00 opens");
+    let t = b
+        .on_attempt(Outcome::RateLimited, MS, Instant::now())
+        .expect("3:00 opens");
     assert_eq!(t.trigger, Trigger::RateLimited);
     // One success breaks the run.
     let mut b = breaker();
@@ -160,7 +175,9 @@ async fn g3_each_way_probation_fails_opens_again_for_longer() {
     b.admit(Instant::now());
     b.probe_result(Outcome::Success, 100 * MS, false, Instant::now());
     b.admit(Instant::now());
-    let t = b.probe_result(Outcome::ProviderFailure, 100 * MS, false, Instant::now()).unwrap();
+    let t = b
+        .probe_result(Outcome::ProviderFailure, 100 * MS, false, Instant::now())
+        .unwrap();
     assert_eq!((t.to, t.trigger), (BreakerState::Open, Trigger::ProbeFailed));
     assert!(t.reason.contains("probe 2 of 5"), "{}", t.reason);
     // The cool-down doubled.
@@ -247,13 +264,23 @@ async fn g4_a_restart_keeps_an_open_breaker_open() {
     advance(Duration::from_secs(30)).await;
     b.admit(Instant::now());
     assert_eq!(b.state(), BreakerState::Probation);
-    let mut r = Breaker::restore(BreakerConfig::default(), &b.snapshot(Instant::now()), Duration::ZERO, Instant::now());
+    let mut r = Breaker::restore(
+        BreakerConfig::default(),
+        &b.snapshot(Instant::now()),
+        Duration::ZERO,
+        Instant::now(),
+    );
     assert_eq!(r.state(), BreakerState::Open);
     assert_eq!(r.admit(Instant::now()).0, Admission::Probe);
     // An operator's breaker stays theirs.
     let mut b = breaker();
     b.force_open("x", Instant::now());
-    let r = Breaker::restore(BreakerConfig::default(), &b.snapshot(Instant::now()), Duration::from_secs(99_999), Instant::now());
+    let r = Breaker::restore(
+        BreakerConfig::default(),
+        &b.snapshot(Instant::now()),
+        Duration::from_secs(99_999),
+        Instant::now(),
+    );
     assert_eq!(r.snapshot(Instant::now()).probe_in_ms, None);
 }
 

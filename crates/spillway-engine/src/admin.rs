@@ -3,6 +3,7 @@
 //! and a request that says it comes from another origin is refused outright.
 
 use crate::clock;
+use crate::control::RouteControlView;
 use crate::metrics::{Headline, Rejection, RouteFigures, SeriesPoint};
 use crate::state::AppState;
 use axum::Router;
@@ -13,8 +14,8 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use rand::Rng;
-use serde::Serialize;
-use spillway_ledger::{AttemptRecord, LedgerHealth, RequestRecord, Search};
+use serde::{Deserialize, Serialize};
+use spillway_ledger::{AttemptRecord, AuditEntry, LedgerHealth, RequestRecord, Search};
 use spillway_wire::{Format, UnixMs};
 use std::convert::Infallible;
 use std::path::Path as FsPath;
@@ -105,6 +106,8 @@ pub struct Overview {
     pub series: Vec<SeriesPoint>,
     pub routes: Vec<RouteFigures>,
     pub channels: Vec<ChannelView>,
+    /// Breakers, retry budgets and amplification per route `format/model` (F4, F5, G4).
+    pub control: Vec<RouteControlView>,
     /// Requests refused before they had a valid key, newest first.
     pub rejections: Vec<Rejection>,
     /// Whether the ledger is taking writes.
@@ -119,6 +122,7 @@ pub struct Tick {
     pub point: SeriesPoint,
     pub routes: Vec<RouteFigures>,
     pub channels: Vec<ChannelView>,
+    pub control: Vec<RouteControlView>,
     pub rejections: Vec<Rejection>,
     pub ledger: LedgerHealth,
 }
@@ -165,6 +169,7 @@ fn overview(st: &AppState) -> Overview {
         series: st.metrics.series(now - crate::metrics::WINDOW_SECONDS as i64 + 1, now),
         routes: st.metrics.routes(),
         channels: channels(st),
+        control: st.control.views(st),
         rejections: st.metrics.rejections(),
         ledger: st.ledger.health(),
     }
@@ -188,6 +193,7 @@ fn tick(st: &AppState) -> Tick {
         point,
         routes: st.metrics.routes(),
         channels: channels(st),
+        control: st.control.views(st),
         rejections: st.metrics.rejections(),
         ledger: st.ledger.health(),
     }
@@ -286,20 +292,165 @@ async fn detail(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Resp
     }
 }
 
-/// E2: an operator puts an ejected or paced channel back into rotation.
-async fn restore_channel(State(st): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
+/// Who acts and why: every manual change to rotation or a breaker is on the record (G4).
+#[derive(Clone, Debug, Deserialize, TS)]
+#[serde(deny_unknown_fields)]
+pub struct OperatorAction {
+    /// The operator's name, as the audit log shows it.
+    pub actor: String,
+    pub reason: String,
+}
+
+/// An operator opens or closes a route's breaker.
+#[derive(Clone, Debug, Deserialize, TS)]
+#[serde(deny_unknown_fields)]
+pub struct BreakerAction {
+    /// The route, `format/model` (`openai/gpt-4o-mini`).
+    pub route: String,
+    pub actor: String,
+    pub reason: String,
+}
+
+/// The audit log's filter.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuditQuery {
+    pub kind: Option<String>,
+    pub subject: Option<String>,
+    pub limit: Option<u32>,
+}
+
+/// The actor and reason, checked: both present, printable, bounded. The error is what
+/// the 422 says.
+fn checked(actor: &str, reason: &str) -> Result<(String, String), String> {
+    let (actor, reason) = (actor.trim(), reason.trim());
+    let bad = |s: &str, max: usize| s.is_empty() || s.chars().count() > max || s.chars().any(char::is_control);
+    if bad(actor, 64) {
+        return Err("`actor`: give the operator's name (1-64 printable characters).".into());
+    }
+    if bad(reason, 500) {
+        return Err("`reason`: say why (1-500 printable characters); it goes on the audit log.".into());
+    }
+    Ok((actor.to_owned(), reason.to_owned()))
+}
+
+fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+    serde_json::from_slice(body).map_err(|e| {
+        format!(
+            "The body is not the expected JSON: {}",
+            e.to_string().split(" at line").next().unwrap_or("")
+        )
+    })
+}
+
+fn unprocessable(msg: String) -> Response {
+    admin_error(StatusCode::UNPROCESSABLE_ENTITY, msg)
+}
+
+/// E2, D5: an operator puts an ejected, paced or cooling channel back into rotation, on
+/// the record with who and why. A body is optional for older consoles: without one, the
+/// audit log says so.
+async fn restore_channel(
+    State(st): State<Arc<AppState>>,
+    Path(name): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
     let Some(c) = st.channels.iter().find(|c| c.cfg.name == name) else {
         return admin_error(StatusCode::NOT_FOUND, "No channel by that name.");
     };
+    let (actor, reason) = if body.is_empty() {
+        ("operator".to_owned(), "restored from the console".to_owned())
+    } else {
+        match json_body::<OperatorAction>(&body).and_then(|a| checked(&a.actor, &a.reason)) {
+            Ok(v) => v,
+            Err(m) => return unprocessable(m),
+        }
+    };
     if c.health.restore() {
-        tracing::warn!(channel = %name, "channel restored to rotation by an operator");
+        tracing::warn!(channel = %name, actor, "channel restored to rotation by an operator");
+        if let Err(e) = st.control.channel_restored(&st, c, &actor, &reason).await {
+            return admin_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("restored, but the ledger could not record it: {e}"),
+            );
+        }
     }
     axum::Json(channels(&st).into_iter().find(|v| v.name == name)).into_response()
+}
+
+/// G4: an operator opens or closes a route's breaker with a reason, on the record before
+/// the answer.
+async fn breaker_action(st: Arc<AppState>, body: axum::body::Bytes, open: bool) -> Response {
+    let a: BreakerAction = match json_body(&body) {
+        Ok(a) => a,
+        Err(m) => return unprocessable(m),
+    };
+    let (actor, reason) = match checked(&a.actor, &a.reason) {
+        Ok(v) => v,
+        Err(m) => return unprocessable(m),
+    };
+    let Some((format, model)) = a.route.split_once('/') else {
+        return admin_error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "`route`: expected `format/model`, e.g. `openai/gpt-4o-mini`.",
+        );
+    };
+    let Ok(format) = format.parse::<Format>() else {
+        return admin_error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "`route`: the format is one of openai, anthropic, gemini.",
+        );
+    };
+    let route = match st.control.get(&a.route) {
+        Some(r) => r,
+        None if st
+            .channels
+            .iter()
+            .any(|c| c.cfg.format == format && c.cfg.serves(model)) =>
+        {
+            st.control.route(&st, format, model)
+        }
+        None => return admin_error(StatusCode::NOT_FOUND, "No channel serves that route."),
+    };
+    match st.control.force(&st, &route, open, &actor, &reason).await {
+        Ok(_) => axum::Json(route.view("")).into_response(),
+        Err(e) => admin_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the ledger could not record the change: {e}"),
+        ),
+    }
+}
+
+async fn open_breaker(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    breaker_action(st, body, true).await
+}
+
+async fn close_breaker(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    breaker_action(st, body, false).await
+}
+
+/// G4: the audit log, newest first.
+async fn audit(State(st): State<Arc<AppState>>, Query(q): Query<AuditQuery>) -> Response {
+    match st
+        .ledger
+        .audit(
+            q.kind.as_deref(),
+            q.subject.as_deref(),
+            q.limit.unwrap_or(100).min(1000),
+        )
+        .await
+    {
+        Ok(v) => axum::Json::<Vec<AuditEntry>>(v).into_response(),
+        Err(e) => admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger read failed: {e}")),
+    }
 }
 
 pub fn router(st: Arc<AppState>) -> Router<Arc<AppState>> {
     Router::new()
         .route("/admin/v1/channels/{name}/restore", post(restore_channel))
+        .route("/admin/v1/breakers/open", post(open_breaker))
+        .route("/admin/v1/breakers/close", post(close_breaker))
+        .route("/admin/v1/audit", get(audit))
         .route("/admin/v1/overview", get(get_overview))
         .route("/admin/v1/events", get(events))
         .route("/admin/v1/requests", get(search))

@@ -54,6 +54,21 @@ pub enum GatewayError {
     /// E2: every channel of the group is out of rotation until an operator restores it.
     #[error("No channel serving this model is in rotation ({detail}). An operator must restore a channel.")]
     NoChannelInRotation { detail: String },
+    /// G2: the route's breaker is open (or on probation with its probe running): nothing
+    /// is sent upstream.
+    #[error(
+        "The circuit breaker for route `{route}` is open ({reason}); the request was not sent upstream. Retry after the indicated delay."
+    )]
+    BreakerOpen {
+        route: String,
+        reason: String,
+        retry_after_s: u64,
+    },
+    /// D5: every channel of the group is cooling down after repeated failures.
+    #[error(
+        "Every channel serving this model is cooling down after repeated failures ({detail}). Retry after the indicated delay."
+    )]
+    ChannelsCoolingDown { detail: String, retry_after_s: u64 },
     /// The client hung up while its request waited (C4); nobody reads this answer.
     #[error("The client disconnected while the request waited; nothing more was sent upstream.")]
     ClientGone,
@@ -105,6 +120,7 @@ impl GatewayError {
             | GatewayError::CapacityQueueFull { .. }
             | GatewayError::KeyLimited { .. } => ErrorKind::RateLimited,
             GatewayError::NoChannelInRotation { .. } => ErrorKind::Upstream,
+            GatewayError::BreakerOpen { .. } | GatewayError::ChannelsCoolingDown { .. } => ErrorKind::Unavailable,
             GatewayError::LedgerUnavailable | GatewayError::ShuttingDown | GatewayError::Interrupted => {
                 ErrorKind::Unavailable
             }
@@ -133,6 +149,8 @@ impl GatewayError {
             GatewayError::CapacityQueueFull { .. } => GatewayClass::CapacityQueueFull,
             GatewayError::KeyLimited { .. } => GatewayClass::KeyLimited,
             GatewayError::NoChannelInRotation { .. } => GatewayClass::NoChannelInRotation,
+            GatewayError::BreakerOpen { .. } => GatewayClass::BreakerOpen,
+            GatewayError::ChannelsCoolingDown { .. } => GatewayClass::ChannelsCoolingDown,
             GatewayError::LedgerUnavailable => GatewayClass::LedgerUnavailable,
             GatewayError::ShuttingDown => GatewayClass::Shutdown,
             GatewayError::Interrupted => GatewayClass::Interrupted,
@@ -156,7 +174,9 @@ impl GatewayError {
         match self {
             GatewayError::CapacityBusy { retry_after_s }
             | GatewayError::CapacityQueueFull { retry_after_s }
-            | GatewayError::KeyLimited { retry_after_s } => Some(*retry_after_s),
+            | GatewayError::KeyLimited { retry_after_s }
+            | GatewayError::BreakerOpen { retry_after_s, .. }
+            | GatewayError::ChannelsCoolingDown { retry_after_s, .. } => Some(*retry_after_s),
             GatewayError::Upstream {
                 retry_after_ms, kind, ..
             } if kind.retryable() => {

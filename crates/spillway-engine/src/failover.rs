@@ -7,6 +7,7 @@
 //! with scripted outcomes, and the gateway with real HTTP.
 
 use crate::clock;
+use crate::control::Outcome;
 use crate::error::GatewayError;
 use crate::life::{Answer, End, Life, ProviderRefusal};
 use crate::retry::{self, Decision, Failure, Retryability, Stop};
@@ -42,6 +43,12 @@ pub struct Ctx {
     /// Cancelled when the client hangs up: a request waiting to retry then leaves at once
     /// (its key slot with it) and sends nothing more upstream (C4).
     pub client_gone: tokio_util::sync::CancellationToken,
+    /// The route's breaker, retry budget and figures (F4, F5, G).
+    pub route: Arc<crate::control::RouteControl>,
+    /// G3: the request is a probation probe: one attempt, whose outcome decides.
+    pub probe: Option<crate::control::Probe>,
+    /// D4: the conversation, pinned to the channel that answers it.
+    pub conversation: u64,
 }
 
 /// What one upstream call brought back.
@@ -149,11 +156,29 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
             tried.push(name.clone());
         }
         let att = life.begin_attempt(&name);
+        let started = Instant::now();
         let outcome = caller.call(&st, ctx, att, admitted).await;
         life.attempt_returned();
+        // D4, D5, G1: what the attempt says about the channel's and the route's health.
+        let health = match &outcome {
+            Attempt::Answer(_) | Attempt::Stream(_) => Outcome::Success,
+            Attempt::Rejected(_) => Outcome::Neutral,
+            Attempt::Failed { signal, .. } => crate::control::outcome_of(signal),
+        };
+        let latency = started.elapsed();
+        if let Some(t) = channel.health.observe_outcome(health, latency, Instant::now()) {
+            st.control.channel_moved(&st, &channel, t, "gateway");
+        }
+        ctx.route.on_attempt(&st, health, latency, ctx.probe.as_mut());
         let (mut att, mut signal) = match outcome {
-            Attempt::Answer(a) => return End::Answer(a),
-            Attempt::Stream(p) => return End::Stream(p),
+            Attempt::Answer(a) => {
+                st.control.pin(ctx.conversation, &channel);
+                return End::Answer(a);
+            }
+            Attempt::Stream(p) => {
+                st.control.pin(ctx.conversation, &channel);
+                return End::Stream(p);
+            }
             Attempt::Rejected(r) => return End::PassThrough(r),
             Attempt::Failed { att, signal } => (att, signal),
         };
@@ -199,12 +224,34 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
                 retry::decide(f, now, retry::full_jitter)
             }
         };
+        // G2: once the route's breaker is not closed (this attempt may have opened it, or
+        // it was a probe) nothing more is sent. F4: a retry needs room in the budget.
+        let mut budget_wait = None;
+        let decision = match decision {
+            d @ (Decision::RetryNow { .. } | Decision::Queue { .. }) => {
+                if ctx.probe.is_some() || !ctx.route.sending() {
+                    Decision::FailClosed(Stop::BreakerOpen)
+                } else if let Err(w) = ctx.route.try_retry() {
+                    budget_wait = Some(w);
+                    Decision::FailClosed(Stop::RetryBudgetExhausted)
+                } else {
+                    d
+                }
+            }
+            d => d,
+        };
 
         let delay = match decision {
             Decision::FailClosed(stop) => {
                 att.decision = Some(Recorded::FailClosed);
                 att.decision_reason = Some(stop);
-                let err = stopped(life.rec.attempts, &signal, &name, stop, all_paced, survey.soonest);
+                let wait = match stop {
+                    Stop::BreakerOpen => ctx.route.retry_after(),
+                    Stop::RetryBudgetExhausted => budget_wait,
+                    _ => None,
+                };
+                let soonest = wait.or(survey.soonest).or(survey.cooling);
+                let err = stopped(life.rec.attempts, &signal, &name, stop, all_paced, soonest);
                 return End::Error {
                     err,
                     class: Some(signal.class),
@@ -347,6 +394,12 @@ fn stopped(
         ),
         Stop::NoChannelLeft => format!(" No other channel serves this model ({attempts} {plural} made)."),
         Stop::NotRetryable => " The gateway does not retry this outcome; an operator should look at it.".into(),
+        Stop::BreakerOpen => format!(
+            " The route's circuit breaker is not closed, so nothing more was sent upstream ({attempts} {plural} made)."
+        ),
+        Stop::RetryBudgetExhausted => format!(
+            " The route's retry budget is spent (retries are held to a share of new requests while the upstream fails), so this failure was not retried ({attempts} {plural} made)."
+        ),
         _ => String::new(),
     };
     GatewayError::Upstream {

@@ -1,9 +1,11 @@
 //! A channel's place in rotation: paced by a provider's wait hint (D6), ejected for a
-//! refused credential or exhausted quota (E2), and the rate-limit room its last answer
-//! reported (E3). A small state machine per channel, on tokio's clock so that tests can
-//! run it on a paused one.
+//! refused credential or exhausted quota (E2), cooling down after a run of provider
+//! failures (D5, with its share of new work from its latency and errors, D4), and the
+//! rate-limit room its last answer reported (E3). A small state machine per channel, on
+//! tokio's clock so that tests can run it on a paused one.
 
 use serde::Serialize;
+use spillway_control::{Outcome, Outlier, OutlierConfig, OutlierSnapshot, OutlierTransition};
 use spillway_wire::{ErrorClass, RateLimitState, Signal};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -35,6 +37,9 @@ pub enum Unavailable {
     For(Duration, String),
     /// Out until an operator acts, or until a named reset.
     Ejected(Option<Duration>, String),
+    /// D5: cooling down after repeated provider failures, back in `Duration`. Not waited
+    /// for: a request takes another channel, or fails fast.
+    Cooling(Duration, String),
 }
 
 #[derive(Debug)]
@@ -43,6 +48,8 @@ struct Inner {
     /// E3: the provider's last word on remaining room, and when it was said.
     room: RateLimitState,
     room_at: Instant,
+    /// D4, D5: latency, errors and ejections.
+    outlier: Outlier,
 }
 
 /// The health of one channel.
@@ -58,6 +65,7 @@ impl Default for Health {
                 rotation: Rotation::Ready,
                 room: RateLimitState::default(),
                 room_at: Instant::now(),
+                outlier: Outlier::new(OutlierConfig::default(), Instant::now()),
             }),
         }
     }
@@ -73,6 +81,10 @@ pub enum RotationState {
     Paced,
     /// Its credential or quota was refused (E2): out until a reset or an operator.
     Ejected,
+    /// Repeated provider failures (D5): out for a cool-down that grows with each ejection.
+    Cooling,
+    /// Back from a cool-down, its share of new work rising (D5).
+    Recovering,
 }
 
 /// What the console shows for a channel's rotation.
@@ -86,6 +98,15 @@ pub struct HealthView {
     /// E3: what the provider last reported as left, while its window runs.
     pub remaining_requests: Option<u64>,
     pub remaining_tokens: Option<u64>,
+    /// D4: the factor (0–1) on its configured weight for new conversations.
+    pub share: f64,
+    /// D4: its latency estimate and its own normal, in ms; absent before any answer.
+    pub latency_ms: Option<f64>,
+    pub normal_latency_ms: Option<f64>,
+    /// Recent provider failures per answer (a moving average, 0–1).
+    pub error_rate: f64,
+    /// D5: ejections in a row (each doubles the cool-down).
+    pub ejections: u32,
 }
 
 fn left(until: Instant, now: Instant) -> Duration {
@@ -111,6 +132,11 @@ impl Health {
                 Rotation::Ejected { until, reason, .. } => {
                     return Err(Unavailable::Ejected(until.map(|u| left(u, now)), reason.clone()));
                 }
+            }
+            // An ended cool-down is moved on (and recorded) by the control ticker; here it
+            // simply no longer counts.
+            if let Some((d, reason)) = i.outlier.ejected(now) {
+                return Err(Unavailable::Cooling(d, reason));
             }
             let since = now.saturating_duration_since(i.room_at);
             if let (Some(0), Some(reset)) = (i.room.remaining_requests, i.room.reset_requests_ms) {
@@ -217,14 +243,42 @@ impl Health {
         })
     }
 
-    /// An operator put the channel back (E2: "until an owner clears it").
+    /// An operator put the channel back (E2: "until an owner clears it"; D5: its
+    /// cool-down cut short).
     pub fn restore(&self) -> bool {
         self.with(|i| {
             let was = !matches!(i.rotation, Rotation::Ready);
             i.rotation = Rotation::Ready;
             i.room = RateLimitState::default();
-            was
+            i.outlier.restore_now(Instant::now()) || was
         })
+    }
+
+    /// D4, D5: an attempt's outcome and latency. Returns an ejection it caused, or a
+    /// return to rotation that time brought.
+    pub fn observe_outcome(&self, outcome: Outcome, latency: Duration, now: Instant) -> Option<OutlierTransition> {
+        self.with(|i| {
+            let back = i.outlier.advance(now);
+            i.outlier.observe(outcome, latency, now).or(back)
+        })
+    }
+
+    /// A return to rotation that time alone brought, if any (for the record).
+    pub fn advance(&self, now: Instant) -> Option<OutlierTransition> {
+        self.with(|i| i.outlier.advance(now))
+    }
+
+    /// D4: the factor on the channel's weight for new conversations.
+    pub fn share(&self, now: Instant) -> f64 {
+        self.with(|i| i.outlier.share(now))
+    }
+
+    pub fn outlier_snapshot(&self, now: Instant) -> OutlierSnapshot {
+        self.with(|i| i.outlier.snapshot(now))
+    }
+
+    pub fn restore_outlier(&self, s: &OutlierSnapshot, elapsed: Duration, now: Instant) {
+        self.with(|i| i.outlier = Outlier::restore(OutlierConfig::default(), s, elapsed, now));
     }
 
     pub fn rotation(&self) -> Rotation {
@@ -237,7 +291,13 @@ impl Health {
         self.with(|i| {
             let since = now.saturating_duration_since(i.room_at);
             let live = |reset: Option<u64>| reset.is_some_and(|r| since < Duration::from_millis(r));
+            let cooling = i.outlier.ejected(now);
             let (state, reason, back_in) = match &i.rotation {
+                Rotation::Ready if cooling.is_some() => {
+                    let (d, r) = cooling.expect("checked");
+                    (RotationState::Cooling, Some(r), Some(d))
+                }
+                Rotation::Ready if i.outlier.recovering() => (RotationState::Recovering, None, None),
                 Rotation::Ready => (RotationState::Ready, None, None),
                 Rotation::Paced { until, reason } => {
                     (RotationState::Paced, Some(reason.clone()), Some(left(*until, now)))
@@ -254,6 +314,11 @@ impl Health {
                 back_in_ms: back_in.map(|d| d.as_millis() as u64),
                 remaining_requests: i.room.remaining_requests.filter(|_| live(i.room.reset_requests_ms)),
                 remaining_tokens: i.room.remaining_tokens.filter(|_| live(i.room.reset_tokens_ms)),
+                share: i.outlier.share(now),
+                latency_ms: i.outlier.latency_ms(now),
+                normal_latency_ms: i.outlier.normal_ms(),
+                error_rate: i.outlier.error_rate(),
+                ejections: i.outlier.ejections(),
             }
         })
     }

@@ -7,6 +7,7 @@
 //! ledger row, one without is only counted.
 
 use crate::clock;
+use crate::control::Admit;
 use crate::error::GatewayError;
 use crate::failover::{self, Caller, Ctx};
 use crate::life::{End, Life};
@@ -35,9 +36,42 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// D4: a client may name its conversation; later turns with the same value stay on the
+/// channel that served the first.
+pub const CONVERSATION_HEADER: &str = "x-spillway-conversation-id";
+
 /// The gateway's id for this request, set by [`request_id_layer`] before any handler runs.
 #[derive(Clone, Debug)]
 pub struct RequestId(pub String);
+
+/// N4: Prometheus text. Open to loopback clients unless `metrics_token` is set; a
+/// listener on another address answers other peers only with the token.
+async fn metrics_endpoint(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    use subtle::ConstantTimeEq;
+    let presented = header_str(req.headers(), "authorization").and_then(|v| v.strip_prefix("Bearer "));
+    let allowed = match (&st.config.metrics_token, presented) {
+        (Some(t), Some(p)) => bool::from(spillway_policy::hash_secret(p.trim()).0.ct_eq(&t.0)),
+        (Some(_), None) => false,
+        (None, _) => req
+            .extensions()
+            .get::<Arc<ConnState>>()
+            .is_none_or(|c| c.peer.ip().is_loopback()),
+    };
+    if !allowed {
+        let msg = if st.config.metrics_token.is_some() {
+            "/metrics needs `Authorization: Bearer <metrics_token>`."
+        } else {
+            "/metrics answers loopback clients only; set `metrics_token` in the config to let others scrape it."
+        };
+        return (http::StatusCode::UNAUTHORIZED, msg).into_response();
+    }
+    let mut r = st.prom.render(&st).into_response();
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    r
+}
 
 /// The routes, with the real upstream.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -69,6 +103,7 @@ pub fn router_with<C: Caller>(state: Arc<AppState>, caller: Arc<C>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1beta/models", get(list_models_gemini))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(metrics_endpoint))
         .merge(crate::admin::router(state.clone()))
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
@@ -352,16 +387,53 @@ async fn handle<C: Caller>(
     life.rec.route = Some(format!("{format}/{}", parsed.model));
     life.set_route();
 
-    let candidates = routing::candidates(&st, format, &parsed.model);
+    // D4: a conversation stays on its channel; the client may name it, else its opening
+    // messages do.
+    let conversation = header_str(&parts.headers, CONVERSATION_HEADER).map_or(parsed.conversation, |c| {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        c.hash(&mut h);
+        h.finish()
+    });
+    let pinned = st.control.pinned(conversation);
+    let candidates = routing::candidates(&st, format, &parsed.model, pinned.as_deref());
     if candidates.is_empty() {
         return life.close(End::refused(GatewayError::NoChannel { format })).await;
     }
+    // G2: an open breaker sends nothing; on probation, one probe at a time.
+    let route = st.control.route(&st, format, &parsed.model);
+    let probe = match route.admit(&st) {
+        Admit::Send => None,
+        Admit::Probe(p) => Some(p),
+        Admit::Refuse { retry_after, reason } => {
+            let e = GatewayError::BreakerOpen {
+                route: route.name.clone(),
+                reason,
+                retry_after_s: crate::error::retry_after_secs(retry_after),
+            };
+            return life.close(End::refused(e)).await;
+        }
+    };
+    life.set_control(route.clone());
     let tokens = parsed.estimated_input_tokens + parsed.max_output_tokens.unwrap_or(0);
     let capacity_wait = Duration::from_millis(st.config.capacity_wait_ms)
         .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+    let wait_from = tokio::time::Instant::now();
     let admitted = match routing::admit(&candidates, tokens, &[], capacity_wait, life.wait_guard()).await {
-        Ok(a) => a,
-        Err(e) => return life.close(End::refused(e)).await,
+        Ok(a) => {
+            route.on_wait(&st, a.waited.unwrap_or_default());
+            a
+        }
+        Err(e) => {
+            // G1: a request that gave up waiting waited all it could.
+            if matches!(
+                e,
+                GatewayError::CapacityBusy { .. } | GatewayError::CapacityQueueFull { .. }
+            ) {
+                route.on_wait(&st, wait_from.elapsed());
+            }
+            return life.close(End::refused(e)).await;
+        }
     };
     let client_gone = tokio_util::sync::CancellationToken::new();
     let mut ctx = Ctx {
@@ -376,6 +448,9 @@ async fn handle<C: Caller>(
         tokens,
         deadline,
         client_gone: client_gone.clone(),
+        route,
+        probe,
+        conversation,
     };
     // Dropped when the client hangs up (or when the answer is sent, when it no longer matters).
     let _hang_up = HangUp(client_gone);

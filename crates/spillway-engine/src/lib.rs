@@ -13,6 +13,7 @@
 pub mod admin;
 pub mod clock;
 pub mod console;
+pub mod control;
 pub mod error;
 pub mod failover;
 pub mod health;
@@ -20,6 +21,7 @@ pub mod ingress;
 pub mod life;
 pub mod limits;
 pub mod metrics;
+pub mod prom;
 pub mod retry;
 pub mod routing;
 pub mod server;
@@ -172,7 +174,13 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
     state.admin_token = opts.admin_token;
     state.console = opts.console;
     let state = Arc::new(state);
+    // G4, D5: open breakers and ejections outlive a restart.
+    let restored = state.control.restore(&state).await?;
+    if restored > 0 {
+        tracing::info!(restored, "breaker and channel states restored from the ledger");
+    }
     watch_ledger(&state);
+    control::tick(&state);
     let app = ingress::router_with(state.clone(), caller);
     let (done_tx, server_done) = watch::channel(false);
     let st = state.clone();

@@ -104,6 +104,8 @@ pub struct Life {
     /// a drop mid-write finishes synchronously, without closing the figures twice).
     settling: Option<Option<AttemptRecord>>,
     closed: bool,
+    /// The route's control (F5's figures), once the route is known.
+    control: Option<Arc<crate::control::RouteControl>>,
 }
 
 impl Life {
@@ -119,6 +121,7 @@ impl Life {
             conn,
             settling: None,
             closed: false,
+            control: None,
         }
     }
 
@@ -129,6 +132,11 @@ impl Life {
     /// The model is known: the request belongs to its route from here on.
     pub fn set_route(&mut self) {
         self.route = RouteKey::of(&self.rec);
+    }
+
+    /// The route's breaker let the request through: its end counts in the route's figures.
+    pub fn set_control(&mut self, c: Arc<crate::control::RouteControl>) {
+        self.control = Some(c);
     }
 
     /// B1: the key's concurrency slot, held until the request (stream included) ends.
@@ -477,7 +485,19 @@ impl Life {
     }
 
     fn finish_figures(&mut self) {
+        if self.admitted
+            && let Some(c) = &self.control
+        {
+            // F5: only requests that reached a channel make attempts.
+            c.finished(self.rec.attempts, self.rec.state == RequestState::Done);
+        }
         let at = self.rec.finished_at.unwrap_or_else(clock::now);
+        if let Some(c) = &self.control {
+            let ms = |to: UnixMs| Duration::from_millis(to.since(self.rec.received_at));
+            let ttft = self.rec.stream.then_some(self.rec.first_token_at).flatten().map(ms);
+            let wait = self.rec.queued_ms.map(Duration::from_millis);
+            self.st.prom.request(&c.name, ms(at), wait, ttft);
+        }
         self.st
             .metrics
             .finished(&self.rec, self.route.as_ref(), self.admitted, at);

@@ -1,5 +1,6 @@
 //! Choosing a channel (A4) and taking a slot of its capacity (C1, C2), among the channels
-//! that are in rotation and have room for the request (D6, E2, E3).
+//! that are in rotation and have room for the request (D5, D6, E2, E3), new conversations
+//! spread by weight and health and later turns kept on their channel (D4).
 
 use crate::error::GatewayError;
 use crate::health::Unavailable;
@@ -12,22 +13,27 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 /// Channels that speak `format` and serve `model` (A4, D1: together they are the
-/// request's channel group): highest priority tier first, a weighted random order within
-/// each tier (D4).
-pub fn candidates(state: &AppState, format: Format, model: &str) -> Vec<Arc<ChannelRt>> {
+/// request's channel group): the channel `pinned` (the conversation's, D4) first while it
+/// is in rotation, then the highest priority tier first, a random order within each tier
+/// weighted by each channel's configured weight times its health share (D4: latency above
+/// its normal and recent errors lower it; a channel back from a cool-down ramps up, D5).
+pub fn candidates(state: &AppState, format: Format, model: &str, pinned: Option<&str>) -> Vec<Arc<ChannelRt>> {
     let mut rng = rand::rng();
-    let mut c: Vec<(i32, f64, &Arc<ChannelRt>)> = state
+    let now = Instant::now();
+    let mut c: Vec<(bool, i32, f64, &Arc<ChannelRt>)> = state
         .channels
         .iter()
         .filter(|c| c.cfg.format == format && c.cfg.serves(model))
         // Efraimidis–Spirakis: sorting by u^(1/w) draws a weighted order without replacement.
         .map(|c| {
-            let key = rng.random::<f64>().powf(1.0 / f64::from(c.cfg.weight.max(1)));
-            (c.cfg.priority, key, c)
+            let w = f64::from(c.cfg.weight.max(1)) * c.health.share(now);
+            let key = rng.random::<f64>().powf(1.0 / w.max(1e-6));
+            let pin = pinned.is_some_and(|p| *p == *c.cfg.name) && c.health.check(0, now).is_ok();
+            (pin, c.cfg.priority, key, c)
         })
         .collect();
-    c.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.total_cmp(&a.1)));
-    c.into_iter().map(|(_, _, c)| c.clone()).collect()
+    c.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)).then(b.2.total_cmp(&a.2)));
+    c.into_iter().map(|(_, _, _, c)| c.clone()).collect()
 }
 
 /// Held while a request waits for capacity; its drop ends the wait, however it ends
@@ -83,6 +89,9 @@ pub struct Survey {
     pub soonest: Option<Duration>,
     /// Channels out until an operator restores them, with the reason.
     pub ejected: Vec<(String, String)>,
+    /// D5: the soonest a cooling channel is back, and each cooling channel's reason.
+    pub cooling: Option<Duration>,
+    pub cooling_reasons: Vec<(String, String)>,
 }
 
 pub fn survey(candidates: &[Arc<ChannelRt>], tokens: u64, tried: &[String], now: Instant) -> Survey {
@@ -90,6 +99,8 @@ pub fn survey(candidates: &[Arc<ChannelRt>], tokens: u64, tried: &[String], now:
     let mut again = Vec::new();
     let mut soonest: Option<Duration> = None;
     let mut ejected = Vec::new();
+    let mut cooling: Option<Duration> = None;
+    let mut cooling_reasons = Vec::new();
     for c in candidates {
         match c.health.check(tokens, now) {
             Ok(()) if tried.contains(&c.cfg.name) => again.push(c.clone()),
@@ -98,6 +109,10 @@ pub fn survey(candidates: &[Arc<ChannelRt>], tokens: u64, tried: &[String], now:
                 soonest = Some(soonest.map_or(d, |s| s.min(d)));
             }
             Err(Unavailable::Ejected(None, reason)) => ejected.push((c.cfg.name.clone(), reason)),
+            Err(Unavailable::Cooling(d, reason)) => {
+                cooling = Some(cooling.map_or(d, |s| s.min(d)));
+                cooling_reasons.push((c.cfg.name.clone(), reason));
+            }
         }
     }
     let untried_ready = !untried.is_empty();
@@ -107,11 +122,25 @@ pub fn survey(candidates: &[Arc<ChannelRt>], tokens: u64, tried: &[String], now:
         untried_ready,
         soonest,
         ejected,
+        cooling,
+        cooling_reasons,
     }
 }
 
 /// Why no slot was taken.
 fn none_left(s: &Survey) -> GatewayError {
+    if let Some(d) = s.cooling {
+        // D5: the channels come back by themselves; say when, and fail fast meanwhile.
+        return GatewayError::ChannelsCoolingDown {
+            detail: s
+                .cooling_reasons
+                .iter()
+                .map(|(n, r)| format!("`{n}`: {r}"))
+                .collect::<Vec<_>>()
+                .join("; "),
+            retry_after_s: crate::error::retry_after_secs(d),
+        };
+    }
     GatewayError::NoChannelInRotation {
         detail: s
             .ejected

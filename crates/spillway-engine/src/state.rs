@@ -41,6 +41,8 @@ pub struct OperatorAlert {
 /// A channel and its live capacity.
 pub struct ChannelRt {
     pub cfg: Channel,
+    /// The channel's name, shared with the conversations pinned to it.
+    pub name: Arc<str>,
     /// One permit per allowed concurrent upstream call (C1).
     pub permits: Arc<Semaphore>,
     /// Its place in rotation (D6, E2, E3).
@@ -50,6 +52,7 @@ pub struct ChannelRt {
 impl ChannelRt {
     pub fn new(cfg: Channel) -> ChannelRt {
         ChannelRt {
+            name: Arc::from(cfg.name.as_str()),
             permits: Arc::new(Semaphore::new(cfg.max_concurrency as usize)),
             cfg,
             health: Default::default(),
@@ -128,6 +131,10 @@ pub struct AppState {
     pub shutdown: Shutdown,
     /// Requests waiting for channel capacity right now, gateway-wide (C2's queue).
     pub capacity_queue: AtomicU32,
+    /// Breakers, retry budgets, amplification, conversation pins (D4, D5, F4, F5, G).
+    pub control: crate::control::Control,
+    /// `/metrics`' recorder (N4).
+    pub prom: crate::prom::Prom,
 }
 
 impl AppState {
@@ -192,6 +199,8 @@ impl AppState {
             alerts: tokio::sync::broadcast::channel(64).0,
             shutdown: Shutdown::default(),
             capacity_queue: AtomicU32::new(0),
+            control: Default::default(),
+            prom: Default::default(),
         })
     }
 }

@@ -4,6 +4,7 @@
 //! writes, shutdown).
 
 use crate::clock;
+use crate::control::{Admit, Outcome};
 use crate::failover::{self, Attempt, Caller, Ctx};
 use crate::life::{End, Life};
 use crate::routing::{self, Admitted};
@@ -29,13 +30,23 @@ use tokio::time::Instant;
 
 const KEY: &str = "sk-engine-test-0123456789";
 
-/// A config with `channels` (name, max concurrency) serving model `m` in the OpenAI format.
+/// A config with `channels` (name, max concurrency) serving model `m` in the OpenAI
+/// format, tried in the order given (each a priority tier of its own).
 fn config(extra: &str, channels: &[(&str, u32)]) -> Config {
+    config_tiers(extra, channels, true)
+}
+
+/// The same with every channel in one tier, so that weights and health decide (D4).
+fn config_even(extra: &str, channels: &[(&str, u32)]) -> Config {
+    config_tiers(extra, channels, false)
+}
+
+fn config_tiers(extra: &str, channels: &[(&str, u32)], ordered: bool) -> Config {
     let mut y = format!("listen: 127.0.0.1:0\n{extra}\nchannels:\n");
     for (i, (name, cap)) in channels.iter().enumerate() {
         y += &format!(
             "  - {{name: {name}, format: openai, base_url: 'http://127.0.0.1:9/{name}', models: [m], max_concurrency: {cap}, priority: {}}}\n",
-            channels.len() - i
+            if ordered { channels.len() - i } else { 0 }
         );
     }
     y += "keys:\n  - {name: app, owner: team, secret_env: KEY, max_concurrency: 1}\nowners:\n  - {name: team}\n";
@@ -55,6 +66,8 @@ struct Memory {
     writes: Mutex<Vec<RequestRecord>>,
     attempts: Mutex<Vec<AttemptRecord>>,
     refuse: AtomicBool,
+    control: Mutex<Vec<spillway_ledger::ControlState>>,
+    audit: Mutex<Vec<spillway_ledger::AuditEntry>>,
 }
 
 #[async_trait]
@@ -90,6 +103,38 @@ impl LedgerBackend for Memory {
     }
     async fn maintain(&self) -> spillway_ledger::Result<u64> {
         Ok(0)
+    }
+    async fn record_transition(
+        &self,
+        s: Option<&spillway_ledger::ControlState>,
+        a: &spillway_ledger::AuditEntry,
+    ) -> spillway_ledger::Result<()> {
+        if let Some(s) = s {
+            let mut c = self.control.lock().unwrap();
+            c.retain(|x| (&x.kind, &x.subject) != (&s.kind, &s.subject));
+            c.push(s.clone());
+        }
+        let mut audit = self.audit.lock().unwrap();
+        let id = audit.len() as i64 + 1;
+        audit.push(spillway_ledger::AuditEntry { id, ..a.clone() });
+        Ok(())
+    }
+    async fn control_states(&self) -> spillway_ledger::Result<Vec<spillway_ledger::ControlState>> {
+        Ok(self.control.lock().unwrap().clone())
+    }
+    async fn audit(
+        &self,
+        kind: Option<&str>,
+        subject: Option<&str>,
+        limit: u32,
+    ) -> spillway_ledger::Result<Vec<spillway_ledger::AuditEntry>> {
+        let a = self.audit.lock().unwrap();
+        Ok(a.iter()
+            .rev()
+            .filter(|e| kind.is_none_or(|k| e.kind == k) && subject.is_none_or(|s| e.subject == s))
+            .take(limit as usize)
+            .cloned()
+            .collect())
     }
 }
 
@@ -202,6 +247,7 @@ fn parsed(model: &str) -> ParsedRequest {
         include_usage: false,
         max_output_tokens: None,
         estimated_input_tokens: 1,
+        conversation: 7,
     }
 }
 
@@ -220,7 +266,14 @@ async fn request(st: &Arc<AppState>) -> (Life, Ctx, Admitted) {
     rec.route = Some("openai/m".into());
     let mut life = Life::new(st.clone(), rec, None);
     life.set_route();
-    let candidates = routing::candidates(st, Format::OpenAi, "m");
+    let candidates = routing::candidates(st, Format::OpenAi, "m", None);
+    let route = st.control.route(st, Format::OpenAi, "m");
+    let probe = match route.admit(st) {
+        Admit::Send => None,
+        Admit::Probe(p) => Some(p),
+        Admit::Refuse { reason, .. } => panic!("refused by the breaker: {reason}"),
+    };
+    life.set_control(route.clone());
     let admitted = routing::admit(&candidates, 1, &[], Duration::from_secs(10), life.wait_guard())
         .await
         .unwrap();
@@ -236,6 +289,9 @@ async fn request(st: &Arc<AppState>) -> (Life, Ctx, Admitted) {
         deadline: Instant::now() + Duration::from_millis(st.config.total_deadline_ms),
         capacity_wait_left: Duration::from_millis(st.config.capacity_wait_ms),
         client_gone: tokio_util::sync::CancellationToken::new(),
+        route,
+        probe,
+        conversation: 7,
     };
     (life, ctx, admitted)
 }
@@ -670,6 +726,310 @@ async fn h2_priming_holds_no_more_than_its_cap_and_no_longer_than_the_attempt() 
     assert_eq!(s.message.as_deref(), Some("no visible output within 8000 ms"));
 }
 
+// --- the control plane in the loop ---------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn f4_over_budget_a_failure_is_not_retried_and_first_attempts_go_on() {
+    // spec: F4, D7
+    let (st, _) = state_with(config(
+        "control: {retry_budget_percent: 20, retry_budget_min: 0}",
+        &[("a", 64), ("b", 64)],
+    ));
+    // Ten good requests earn two retries.
+    for _ in 0..10 {
+        let (resp, _, _) = drive(&st, &Scripted::default()).await;
+        assert_eq!(resp.status(), 200);
+    }
+    let failing = || {
+        Scripted::with(&[
+            ("a", fail(500, ErrorClass::ServerError, None)),
+            ("b", fail(500, ErrorClass::ServerError, None)),
+            ("a", fail(500, ErrorClass::ServerError, None)),
+        ])
+    };
+    let mut stops = Vec::new();
+    for _ in 0..3 {
+        let (resp, _, id) = drive(&st, &failing()).await;
+        assert_eq!(resp.status(), 502);
+        assert!(resp.headers().contains_key("retry-after"));
+        let (_, atts) = rows(&st, &id).await;
+        stops.push((atts.len(), atts.last().unwrap().decision_reason));
+    }
+    // The first failing request retries twice on budget (and runs out of attempts); the
+    // budget's two retries spent, the next ones stop after their first attempt.
+    assert_eq!(
+        stops,
+        [
+            (3, Some(StopReason::AttemptBudgetExhausted)),
+            (1, Some(StopReason::RetryBudgetExhausted)),
+            (1, Some(StopReason::RetryBudgetExhausted)),
+        ]
+    );
+    let v = st.control.get("openai/m").unwrap().view("");
+    assert_eq!((v.budget_requests, v.budget_retries, v.budget_allowed), (13, 2, 2));
+    // F5: 13 requests, 15 attempts, one retried request, not rescued.
+    let a = v.amplification.last_1m;
+    assert_eq!((a.requests, a.attempts, a.retried), (13, 15, 1));
+    assert_eq!(a.post_retry_success, Some(0.0));
+    // First attempts are never starved: a new request still goes out and succeeds.
+    let (resp, _, _) = drive(&st, &Scripted::default()).await;
+    assert_eq!(resp.status(), 200);
+}
+
+#[tokio::test(start_paused = true)]
+async fn d5_a_dead_single_channel_is_ejected_and_stops_receiving_attempts() {
+    // spec: D5, D7
+    let (st, mem) = state_with(config("", &[("a", 64)]));
+    let dead = Scripted::with(&vec![("a", fail(500, ErrorClass::ServerError, None)); 100]);
+    let mut statuses = Vec::new();
+    for _ in 0..2 {
+        let (resp, _, _) = drive(&st, &dead).await;
+        statuses.push(resp.status().as_u16());
+    }
+    assert_eq!(statuses, [502, 502]);
+    // Five failures in a row ejected it: the second request stopped on its fifth attempt.
+    assert_eq!(dead.calls().len(), 5);
+    let v = st.channels[0].health.view(Instant::now());
+    assert_eq!(v.state, crate::health::RotationState::Cooling);
+    assert_eq!((v.back_in_ms, v.ejections), (Some(30_000), 1));
+    // Now requests are refused before any attempt, fast, with the cool-down as retry-after.
+    let route = st.control.route(&st, Format::OpenAi, "m");
+    assert!(matches!(route.admit(&st), Admit::Send));
+    let c = routing::candidates(&st, Format::OpenAi, "m", None);
+    match routing::admit(&c, 1, &[], Duration::from_secs(10), || Ok(routing::WaitGuard(None))).await {
+        Err(e @ crate::error::GatewayError::ChannelsCoolingDown { .. }) => {
+            let r = e.into_response(Format::OpenAi);
+            assert_eq!(
+                (r.status().as_u16(), &r.headers()["retry-after"]),
+                (503, &HeaderValue::from_static("30"))
+            );
+        }
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("admitted to a cooling channel"),
+    }
+    assert_eq!(dead.calls().len(), 5, "nothing more reached the dead channel");
+    // The ejection is on the record (persisted in order by the control's writer task).
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let audit = mem.audit.lock().unwrap().clone();
+    assert!(
+        audit
+            .iter()
+            .any(|e| e.kind == "channel" && e.action == "ejected" && e.subject == "a"),
+        "{audit:?}"
+    );
+    // After the cool-down it comes back, on the record, and one failure sends it out for 60 s.
+    tokio::time::advance(Duration::from_secs(30)).await;
+    assert!(
+        st.channels[0]
+            .health
+            .advance(Instant::now())
+            .is_some_and(|t| !t.ejected)
+    );
+    let (resp, _, _) = drive(&st, &dead).await;
+    assert_eq!(resp.status(), 502);
+    assert_eq!(dead.calls().len(), 6);
+    assert_eq!(st.channels[0].health.view(Instant::now()).back_in_ms, Some(60_000));
+}
+
+#[tokio::test(start_paused = true)]
+async fn g1_g2_g3_a_failing_route_opens_fails_fast_and_closes_after_probation() {
+    // spec: G1, G2, G3, G4
+    // Many channels, so that ejections alone do not stop the traffic: the breaker must.
+    let names: Vec<String> = (0..30).map(|i| format!("c{i}")).collect();
+    let chans: Vec<(&str, u32)> = names.iter().map(|n| (n.as_str(), 64)).collect();
+    let (st, mem) = state_with(config_even("control: {retry_budget_min: 1000}", &chans));
+    let mut alerts = st.alerts.subscribe();
+    let failing: Vec<(&str, Step)> = names
+        .iter()
+        .flat_map(|n| std::iter::repeat_n((n.as_str(), fail(503, ErrorClass::Overload, None)), 4))
+        .collect();
+    let caller = Scripted::with(&failing);
+    let route = st.control.route(&st, Format::OpenAi, "m");
+    let mut n = 0;
+    while route.state() == spillway_control::BreakerState::Closed {
+        let (resp, _, _) = drive(&st, &caller).await;
+        assert_eq!(resp.status(), 502);
+        n += 1;
+        assert!(n < 20);
+    }
+    // Exactly at 25 failed attempts, even though the last request had attempts left.
+    assert_eq!(caller.calls().len(), 25);
+    let alert = alerts.try_recv().unwrap();
+    assert_eq!(
+        (alert.severity, alert.title.as_str()),
+        (Severity::Critical, "Breaker open on openai/m")
+    );
+    // Open: refused at once, naming the breaker, with the time of the first probe.
+    match route.admit(&st) {
+        Admit::Refuse { retry_after, reason } => {
+            assert_eq!(retry_after, Duration::from_secs(30));
+            assert!(reason.contains("25 of the last 25 attempts failed"), "{reason}");
+        }
+        _ => panic!("an open breaker let a request through"),
+    }
+    // Probation after the cool-down: probes one at a time; five successes close it.
+    tokio::time::advance(Duration::from_secs(30)).await;
+    let ok = Scripted::default();
+    for i in 0..5 {
+        let (mut life, mut ctx, admitted) = request(&st).await;
+        assert!(ctx.probe.is_some(), "probe {i}");
+        assert!(matches!(route.admit(&st), Admit::Refuse { .. }), "one probe at a time");
+        let end = failover::run(&mut ctx, &mut life, &ok, admitted).await;
+        assert_eq!(life.close(end).await.status(), 200);
+    }
+    assert_eq!(route.state(), spillway_control::BreakerState::Closed);
+    assert!(matches!(route.admit(&st), Admit::Send));
+    // Every transition is on the record, with its figures.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let actions: Vec<String> = mem
+        .audit
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.kind == "breaker")
+        .map(|e| e.action.clone())
+        .collect();
+    assert_eq!(actions, ["closed->open", "open->probation", "probation->closed"]);
+    let first = mem
+        .audit
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|e| e.kind == "breaker")
+        .cloned()
+        .unwrap();
+    assert_eq!(first.trigger.as_deref(), Some("server_errors"));
+    assert!(first.figures.unwrap().contains("\"failed_attempts\""));
+}
+
+#[tokio::test(start_paused = true)]
+async fn g3_a_failed_probe_reopens_and_its_request_makes_one_attempt() {
+    // spec: G3, G2
+    let (st, _) = state_with(config("", &[("a", 64), ("b", 64)]));
+    let route = st.control.route(&st, Format::OpenAi, "m");
+    st.control.force(&st, &route, true, "ops", "drill").await.unwrap();
+    st.control.force(&st, &route, false, "ops", "drill over").await.unwrap();
+    // Open it by its trigger, then let probation start.
+    for _ in 0..25 {
+        route.on_attempt(&st, Outcome::ProviderFailure, Duration::ZERO, None);
+    }
+    tokio::time::advance(Duration::from_secs(30)).await;
+    let caller = Scripted::with(&[
+        ("a", fail(500, ErrorClass::ServerError, None)),
+        ("b", fail(500, ErrorClass::ServerError, None)),
+    ]);
+    let (resp, _, id) = drive(&st, &caller).await;
+    assert_eq!(resp.status(), 502);
+    let (_, atts) = rows(&st, &id).await;
+    assert_eq!(atts.len(), 1, "a probe is one attempt");
+    assert_eq!(atts[0].decision_reason, Some(StopReason::BreakerOpen));
+    assert_eq!(route.state(), spillway_control::BreakerState::Open);
+    assert_eq!(
+        route.retry_after(),
+        Some(Duration::from_secs(60)),
+        "the cool-down doubled"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn g4_breaker_and_ejection_survive_a_restart() {
+    // spec: G4, D5
+    let mem = Arc::new(Memory::default());
+    let cfg = config("", &[("a", 4)]);
+    {
+        let st = AppState::new(cfg.clone(), Ledger::start(mem.clone())).unwrap();
+        let route = st.control.route(&st, Format::OpenAi, "m");
+        assert!(
+            st.control
+                .force(&st, &route, true, "ops", "provider incident")
+                .await
+                .unwrap()
+        );
+        for _ in 0..5 {
+            if let Some(t) =
+                st.channels[0]
+                    .health
+                    .observe_outcome(Outcome::ProviderFailure, Duration::ZERO, Instant::now())
+            {
+                st.control.channel_moved(&st, &st.channels[0], t, "gateway");
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let st = AppState::new(cfg, Ledger::start(mem.clone())).unwrap();
+    assert_eq!(st.control.restore(&st).await.unwrap(), 2);
+    let route = st.control.get("openai/m").expect("restored");
+    assert_eq!(route.state(), spillway_control::BreakerState::Open);
+    match route.admit(&st) {
+        Admit::Refuse { reason, .. } => assert!(reason.contains("provider incident"), "{reason}"),
+        _ => panic!("a restart closed the breaker"),
+    }
+    let v = st.channels[0].health.view(Instant::now());
+    assert_eq!(v.state, crate::health::RotationState::Cooling);
+    let audit = mem.audit.lock().unwrap().clone();
+    assert_eq!(audit[0].actor, "ops");
+}
+
+#[tokio::test(start_paused = true)]
+async fn d4_a_channel_at_twice_its_normal_latency_gets_fewer_new_conversations() {
+    // spec: D4
+    let (st, _) = state_with(config_even("", &[("a", 4), ("b", 4)]));
+    for _ in 0..300 {
+        for c in &st.channels {
+            c.health
+                .observe_outcome(Outcome::Success, Duration::from_millis(100), Instant::now());
+        }
+        tokio::time::advance(Duration::from_secs(1)).await;
+    }
+    let first = |st: &AppState| {
+        let mut a = 0;
+        for _ in 0..10_000 {
+            a += usize::from(&*routing::candidates(st, Format::OpenAi, "m", None)[0].cfg.name == "a");
+        }
+        a
+    };
+    let even = first(&st);
+    assert!((4_500..5_500).contains(&even), "equal channels share evenly: {even}");
+    // `a` now answers in twice its normal time.
+    for _ in 0..3 {
+        st.channels[0]
+            .health
+            .observe_outcome(Outcome::Success, Duration::from_millis(200), Instant::now());
+        tokio::time::advance(Duration::from_millis(50)).await;
+    }
+    let share = st.channels[0].health.view(Instant::now()).share;
+    assert!((0.2..0.3).contains(&share), "share {share}");
+    let slow = first(&st);
+    // Expected share of first picks: 0.25 / 1.25 = 20 %.
+    assert!(
+        (1_500..2_600).contains(&slow),
+        "the slow channel got {slow} of 10000 new conversations"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn d4_d5_a_conversation_sticks_to_its_channel_until_it_leaves_rotation() {
+    // spec: D4, D5
+    let (st, _) = state_with(config_even("", &[("a", 4), ("b", 4), ("c", 4)]));
+    let (resp, _, _) = drive(&st, &Scripted::default()).await;
+    let home = resp.headers()["x-spillway-channel"].to_str().unwrap().to_owned();
+    assert_eq!(st.control.pinned(7).as_deref(), Some(home.as_str()));
+    for _ in 0..50 {
+        let c = routing::candidates(&st, Format::OpenAi, "m", st.control.pinned(7).as_deref());
+        assert_eq!(*c[0].cfg.name, home, "later turns stay on their channel");
+    }
+    // Its channel is ejected: the next turn moves, and stays where it moved.
+    let ch = st.channels.iter().find(|c| c.cfg.name == home).unwrap();
+    for _ in 0..5 {
+        ch.health
+            .observe_outcome(Outcome::ProviderFailure, Duration::ZERO, Instant::now());
+    }
+    let (resp, _, _) = drive(&st, &Scripted::default()).await;
+    let moved = resp.headers()["x-spillway-channel"].to_str().unwrap().to_owned();
+    assert_ne!(moved, home);
+    assert_eq!(st.control.pinned(7).as_deref(), Some(moved.as_str()));
+}
+
 // --- the whole server on loopback ------------------------------------------------------
 
 /// A gateway on an OS-chosen loopback port with `caller` as its upstream.
@@ -692,6 +1052,100 @@ fn chat(url: &str, model: &str) -> reqwest::RequestBuilder {
         .post(format!("{url}/v1/chat/completions"))
         .bearer_auth(KEY)
         .json(&serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}))
+}
+
+#[tokio::test]
+async fn n4_metrics_are_prometheus_text_with_bounded_labels() {
+    // spec: N4, N1, F5, G4
+    let caller = Scripted::with(&[("a", fail(503, ErrorClass::Overload, None))]);
+    let gw = serve(
+        config("", &[("a", 4), ("b", 4)]),
+        Ledger::start(Arc::new(Memory::default())),
+        caller,
+    )
+    .await;
+    let url = format!("http://{}", gw.addr);
+    assert_eq!(chat(&url, "m").send().await.unwrap().status(), 200);
+    assert_eq!(chat(&url, "m").send().await.unwrap().status(), 200);
+    let r = reqwest::get(format!("{url}/metrics")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain; version=0.0.4")
+    );
+    let text = r.text().await.unwrap();
+    let value = |series: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(value(r#"spillway_requests{route="openai/m",owner="team"}"#), 2.0);
+    assert_eq!(value(r#"spillway_attempts{route="openai/m",owner="team"}"#), 3.0);
+    assert_eq!(
+        value(r#"spillway_attempt_failures{route="openai/m",owner="team",class="overload"}"#),
+        1.0
+    );
+    assert_eq!(value(r#"spillway_breaker_state{route="openai/m",state="closed"}"#), 1.0);
+    assert_eq!(
+        value(r#"spillway_retry_amplification{route="openai/m",window="1m"}"#),
+        1.5
+    );
+    assert_eq!(
+        value(r#"spillway_post_retry_success_ratio{route="openai/m",window="5m"}"#),
+        1.0
+    );
+    assert_eq!(value(r#"spillway_channel_state{channel="a",state="ready"}"#), 1.0);
+    assert_eq!(
+        value(r#"spillway_request_duration_seconds_count{route="openai/m"}"#),
+        2.0
+    );
+    assert!(
+        text.contains(r#"spillway_queue_wait_seconds_bucket{route="openai/m",le="0.001"} 2"#),
+        "{text}"
+    );
+    // Every line is a comment or `name{labels} value`.
+    for l in text.lines().filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let (_, v) = l.rsplit_once(' ').unwrap();
+        assert!(v.parse::<f64>().is_ok() || v == "+Inf", "{l}");
+    }
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn n4_a_metrics_token_is_required_when_configured() {
+    // spec: N4
+    let gw = serve(
+        config("metrics_token: scrape-me-0123456789", &[("a", 4)]),
+        Ledger::start(Arc::new(Memory::default())),
+        Scripted::default(),
+    )
+    .await;
+    let url = format!("http://{}/metrics", gw.addr);
+    let c = reqwest::Client::new();
+    assert_eq!(c.get(&url).send().await.unwrap().status(), 401);
+    assert_eq!(
+        c.get(&url)
+            .bearer_auth("wrong-token-0123456789")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        401
+    );
+    assert_eq!(
+        c.get(&url)
+            .bearer_auth("scrape-me-0123456789")
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    gw.shutdown().await.unwrap();
 }
 
 #[tokio::test]

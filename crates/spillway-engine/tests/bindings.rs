@@ -2,9 +2,9 @@
 //! under `ui/src/bindings/`. This test regenerates them and fails when the committed copy
 //! is stale; `UPDATE_BINDINGS=1 cargo test -p spillway-engine --test bindings` rewrites it.
 
-use spillway_engine::admin::{AdminError, Overview, RequestDetail, Tick};
+use spillway_engine::admin::{AdminError, BreakerAction, OperatorAction, Overview, RequestDetail, Tick};
 use spillway_engine::state::OperatorAlert;
-use spillway_ledger::{Page, Search};
+use spillway_ledger::{AuditEntry, Page, Search};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use ts_rs::{Config, TS};
@@ -35,6 +35,9 @@ fn ui_bindings_are_current() {
     OperatorAlert::export_all(&cfg).unwrap();
     Page::export_all(&cfg).unwrap();
     Search::export_all(&cfg).unwrap();
+    AuditEntry::export_all(&cfg).unwrap();
+    BreakerAction::export_all(&cfg).unwrap();
+    OperatorAction::export_all(&cfg).unwrap();
     let fresh = files(tmp.path());
     let committed_dir: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ui/src/bindings");
     if std::env::var_os("UPDATE_BINDINGS").is_some() {

@@ -7,11 +7,13 @@
 //! request entering `calling_api`) waits for the commit that carries it. One process
 //! writes a ledger: a lock file beside it keeps a second instance out.
 
+mod control;
 mod lock;
 mod record;
 mod sqlite;
 mod writer;
 
+pub use control::{AuditEntry, ControlState};
 pub use lock::LedgerLock;
 pub use record::{
     AttemptRecord, Decision, FailureClass, GatewayClass, MAX_MESSAGE, Page, RequestRecord, RequestState, Search,
@@ -61,6 +63,12 @@ pub trait LedgerBackend: Send + Sync + 'static {
     /// I4: on start-up, requests left in `calling_api` by a crash become `unknown`.
     /// Returns how many.
     async fn mark_interrupted_unknown(&self) -> Result<u64>;
+    /// Saves `state` (when given) and appends `audit`, in one durable transaction.
+    async fn record_transition(&self, state: Option<&ControlState>, audit: &AuditEntry) -> Result<()>;
+    /// Every saved control state.
+    async fn control_states(&self) -> Result<Vec<ControlState>>;
+    /// The newest audit entries (for `subject` of `kind` when given), newest first.
+    async fn audit(&self, kind: Option<&str>, subject: Option<&str>, limit: u32) -> Result<Vec<AuditEntry>>;
     /// Housekeeping the writer must not pay for on its commits (WAL checkpoints).
     /// Returns how many pages (WAL frames) it folded back into the database.
     async fn maintain(&self) -> Result<u64>;

@@ -98,6 +98,10 @@ pub enum GatewayClass {
     KeyLimited,
     /// Every channel of the group is out of rotation (E2).
     NoChannelInRotation,
+    /// The route's circuit breaker was open: nothing was sent (G2).
+    BreakerOpen,
+    /// Every channel of the group was cooling down after repeated failures (D5).
+    ChannelsCoolingDown,
     /// The ledger could not record the request, so nothing was sent upstream.
     LedgerUnavailable,
     /// The client hung up before the answer was complete.
@@ -115,7 +119,7 @@ pub enum GatewayClass {
 }
 
 impl GatewayClass {
-    pub const ALL: [GatewayClass; 16] = [
+    pub const ALL: [GatewayClass; 18] = [
         GatewayClass::ClientAuth,
         GatewayClass::InvalidBody,
         GatewayClass::UnsupportedMediaType,
@@ -126,6 +130,8 @@ impl GatewayClass {
         GatewayClass::CapacityQueueFull,
         GatewayClass::KeyLimited,
         GatewayClass::NoChannelInRotation,
+        GatewayClass::BreakerOpen,
+        GatewayClass::ChannelsCoolingDown,
         GatewayClass::LedgerUnavailable,
         GatewayClass::ClientDisconnected,
         GatewayClass::ClientStalled,
@@ -146,6 +152,8 @@ impl GatewayClass {
             GatewayClass::CapacityQueueFull => "capacity_queue_full",
             GatewayClass::KeyLimited => "key_limited",
             GatewayClass::NoChannelInRotation => "no_channel_in_rotation",
+            GatewayClass::BreakerOpen => "breaker_open",
+            GatewayClass::ChannelsCoolingDown => "channels_cooling_down",
             GatewayClass::LedgerUnavailable => "ledger_unavailable",
             GatewayClass::ClientDisconnected => "client_disconnected",
             GatewayClass::ClientStalled => "client_stalled",
@@ -261,10 +269,14 @@ pub enum StopReason {
     ClientGone,
     /// The gateway stopped during the attempt; the provider's outcome is unknown.
     Interrupted,
+    /// F4: the route's retries were at their share of new requests.
+    RetryBudgetExhausted,
+    /// G2: the route's breaker opened (or was open): nothing more is sent.
+    BreakerOpen,
 }
 
 impl StopReason {
-    pub const ALL: [StopReason; 7] = [
+    pub const ALL: [StopReason; 9] = [
         StopReason::PartialOutputCommitted,
         StopReason::AttemptBudgetExhausted,
         StopReason::RetryAfterExceedsDeadline,
@@ -272,6 +284,8 @@ impl StopReason {
         StopReason::NoChannelLeft,
         StopReason::ClientGone,
         StopReason::Interrupted,
+        StopReason::RetryBudgetExhausted,
+        StopReason::BreakerOpen,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -283,6 +297,8 @@ impl StopReason {
             StopReason::NoChannelLeft => "no_channel_left",
             StopReason::ClientGone => "client_gone",
             StopReason::Interrupted => "interrupted",
+            StopReason::RetryBudgetExhausted => "retry_budget_exhausted",
+            StopReason::BreakerOpen => "breaker_open",
         }
     }
 

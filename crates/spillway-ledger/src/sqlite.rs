@@ -11,8 +11,8 @@
 //! writes no file-size change.
 
 use crate::{
-    AttemptRecord, Decision, Error, FailureClass, LedgerBackend, LedgerLock, Page, RequestRecord, RequestState, Result,
-    Search, StopReason,
+    AttemptRecord, AuditEntry, ControlState, Decision, Error, FailureClass, LedgerBackend, LedgerLock, Page,
+    RequestRecord, RequestState, Result, Search, StopReason,
 };
 use async_trait::async_trait;
 use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
@@ -542,6 +542,86 @@ impl LedgerBackend for SqliteBackend {
         .execute(conn)
         .await?;
         Ok(r.rows_affected())
+    }
+
+    async fn record_transition(&self, state: Option<&ControlState>, audit: &AuditEntry) -> Result<()> {
+        let mut writer = self.writer.lock().await;
+        if writer.1 {
+            return Err(Error::Unavailable(
+                "a failed transaction is still being rolled back".into(),
+            ));
+        }
+        let mut tx = writer.0.begin().await?;
+        if let Some(c) = state {
+            sqlx::query(
+                "INSERT INTO control_state (kind, subject, state, updated_at) VALUES (?, ?, ?, ?) \
+                 ON CONFLICT (kind, subject) DO UPDATE SET state = excluded.state, updated_at = excluded.updated_at",
+            )
+            .bind(&c.kind)
+            .bind(&c.subject)
+            .bind(&c.state)
+            .bind(c.updated_at.0)
+            .execute(&mut *tx)
+            .await?;
+        }
+        sqlx::query(
+            "INSERT INTO audit (at, kind, subject, actor, action, trigger, reason, figures) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(audit.at.0)
+        .bind(&audit.kind)
+        .bind(&audit.subject)
+        .bind(&audit.actor)
+        .bind(&audit.action)
+        .bind(&audit.trigger)
+        .bind(&audit.reason)
+        .bind(&audit.figures)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn control_states(&self) -> Result<Vec<ControlState>> {
+        let rows = sqlx::query("SELECT kind, subject, state, updated_at FROM control_state ORDER BY kind, subject")
+            .fetch_all(&self.readers)
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(ControlState {
+                    kind: r.try_get("kind")?,
+                    subject: r.try_get("subject")?,
+                    state: r.try_get("state")?,
+                    updated_at: UnixMs(r.try_get("updated_at")?),
+                })
+            })
+            .collect()
+    }
+
+    async fn audit(&self, kind: Option<&str>, subject: Option<&str>, limit: u32) -> Result<Vec<AuditEntry>> {
+        let rows = sqlx::query(
+            "SELECT id, at, kind, subject, actor, action, trigger, reason, figures FROM audit \
+             WHERE (?1 IS NULL OR kind = ?1) AND (?2 IS NULL OR subject = ?2) ORDER BY id DESC LIMIT ?3",
+        )
+        .bind(kind)
+        .bind(subject)
+        .bind(i64::from(limit.min(1000)))
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(AuditEntry {
+                    id: r.try_get("id")?,
+                    at: UnixMs(r.try_get("at")?),
+                    kind: r.try_get("kind")?,
+                    subject: r.try_get("subject")?,
+                    actor: r.try_get("actor")?,
+                    action: r.try_get("action")?,
+                    trigger: r.try_get("trigger")?,
+                    reason: r.try_get("reason")?,
+                    figures: r.try_get("figures")?,
+                })
+            })
+            .collect()
     }
 
     async fn maintain(&self) -> Result<u64> {

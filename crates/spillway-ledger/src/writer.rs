@@ -452,6 +452,23 @@ impl Ledger {
     pub async fn search(&self, search: &Search) -> Result<Page> {
         self.backend.search(search).await
     }
+
+    /// G4: a control-plane transition, durable before this returns.
+    pub async fn record_transition(
+        &self,
+        state: Option<&crate::ControlState>,
+        audit: &crate::AuditEntry,
+    ) -> Result<()> {
+        self.backend.record_transition(state, audit).await
+    }
+
+    pub async fn control_states(&self) -> Result<Vec<crate::ControlState>> {
+        self.backend.control_states().await
+    }
+
+    pub async fn audit(&self, kind: Option<&str>, subject: Option<&str>, limit: u32) -> Result<Vec<crate::AuditEntry>> {
+        self.backend.audit(kind, subject, limit).await
+    }
 }
 
 fn wall_now() -> UnixMs {
@@ -701,6 +718,62 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn g4_control_state_and_audit_survive_a_reopen() {
+        // spec: G4, D5
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let entry = |subject: &str, action: &str| crate::AuditEntry {
+            id: 0,
+            at: UnixMs(1_000),
+            kind: "breaker".into(),
+            subject: subject.into(),
+            actor: "gateway".into(),
+            action: action.into(),
+            trigger: Some("server_errors".into()),
+            reason: "25 of the last 50 attempts failed".into(),
+            figures: Some(r#"[{"name":"failed_attempts","value":25.0}]"#.into()),
+        };
+        {
+            let ledger = Ledger::open_sqlite(&path).await.unwrap();
+            let state = |s: &str| crate::ControlState {
+                kind: "breaker".into(),
+                subject: "openai/m".into(),
+                state: s.into(),
+                updated_at: UnixMs(1_000),
+            };
+            ledger
+                .record_transition(Some(&state("{\"v\":1}")), &entry("openai/m", "closed->open"))
+                .await
+                .unwrap();
+            ledger
+                .record_transition(Some(&state("{\"v\":2}")), &entry("openai/m", "open->probation"))
+                .await
+                .unwrap();
+            ledger
+                .record_transition(None, &entry("openai/other", "closed->open"))
+                .await
+                .unwrap();
+            ledger.close(Duration::from_secs(5)).await.unwrap();
+        }
+        let ledger = Ledger::open_sqlite(&path).await.unwrap();
+        let states = ledger.control_states().await.unwrap();
+        assert_eq!(states.len(), 1, "one row per subject, the latest");
+        assert_eq!(states[0].state, "{\"v\":2}");
+        let all = ledger.audit(None, None, 10).await.unwrap();
+        assert_eq!(all.len(), 3);
+        assert_eq!(all[0].subject, "openai/other", "newest first");
+        let mine = ledger.audit(Some("breaker"), Some("openai/m"), 10).await.unwrap();
+        assert_eq!(
+            mine.iter().map(|e| e.action.as_str()).collect::<Vec<_>>(),
+            ["open->probation", "closed->open"]
+        );
+        assert_eq!(
+            mine[0].figures.as_deref(),
+            Some(r#"[{"name":"failed_attempts","value":25.0}]"#)
+        );
+    }
+
     /// A real SQLite store that can be made to refuse commits, as a full or read-only disk
     /// would, and that can be slowed down to saturate the queue.
     struct Faulty {
@@ -733,6 +806,15 @@ mod tests {
         }
         async fn mark_interrupted_unknown(&self) -> Result<u64> {
             self.inner.mark_interrupted_unknown().await
+        }
+        async fn record_transition(&self, s: Option<&crate::ControlState>, a: &crate::AuditEntry) -> Result<()> {
+            self.inner.record_transition(s, a).await
+        }
+        async fn control_states(&self) -> Result<Vec<crate::ControlState>> {
+            self.inner.control_states().await
+        }
+        async fn audit(&self, k: Option<&str>, s: Option<&str>, n: u32) -> Result<Vec<crate::AuditEntry>> {
+            self.inner.audit(k, s, n).await
         }
         async fn maintain(&self) -> Result<u64> {
             self.inner.maintain().await

@@ -76,6 +76,24 @@ struct RawConfig {
     keys: Vec<S<RawKey>>,
     #[serde(default)]
     owners: Vec<S<RawOwner>>,
+    #[serde(default)]
+    control: Option<S<RawControl>>,
+    /// A bearer token `/metrics` asks for; without one it is open (on loopback).
+    #[serde(default)]
+    metrics_token: Option<S<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawControl {
+    #[serde(default)]
+    retry_budget_percent: Option<S<u32>>,
+    #[serde(default)]
+    retry_budget_min: Option<S<u32>>,
+    #[serde(default)]
+    wait_slo_ms: Option<S<u64>>,
+    #[serde(default)]
+    route_wait_slo_ms: Option<S<std::collections::BTreeMap<String, u64>>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -204,6 +222,41 @@ pub struct Config {
     pub channels: Vec<Channel>,
     pub keys: Vec<Key>,
     pub owners: Vec<Owner>,
+    pub control: ControlSettings,
+    /// The SHA-256 of the bearer token `/metrics` asks for, when set (never the token).
+    pub metrics_token: Option<KeySecret>,
+}
+
+/// The control plane's settings (F4, G1).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ControlSettings {
+    /// F4: retries allowed per new request over the budget's window (0.2 = 20 %).
+    pub retry_budget_ratio: f64,
+    /// F4: retries a route may always make in the window, however quiet it is.
+    pub retry_budget_min: u32,
+    /// G1: the capacity-wait SLO of every route without its own; None turns the P95
+    /// wait trigger off.
+    pub wait_slo_ms: Option<u64>,
+    /// G1: per-route SLOs, keyed `format/model` (`openai/gpt-4o-mini`).
+    pub route_wait_slo_ms: std::collections::BTreeMap<String, u64>,
+}
+
+impl Default for ControlSettings {
+    fn default() -> Self {
+        ControlSettings {
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 3,
+            wait_slo_ms: None,
+            route_wait_slo_ms: Default::default(),
+        }
+    }
+}
+
+impl ControlSettings {
+    /// The wait SLO of route `format/model`.
+    pub fn wait_slo_ms(&self, route: &str) -> Option<u64> {
+        self.route_wait_slo_ms.get(route).copied().or(self.wait_slo_ms)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -996,10 +1049,53 @@ impl RawConfig {
             }
         }
 
+        let mut control = ControlSettings::default();
+        if let Some(c) = &self.control {
+            let c = &c.value;
+            control.retry_budget_ratio =
+                f64::from(cx.bounded(&c.retry_budget_percent, "control.retry_budget_percent", 0..=100, 20)) / 100.0;
+            control.retry_budget_min = cx.bounded(&c.retry_budget_min, "control.retry_budget_min", 0..=10_000, 3);
+            control.wait_slo_ms = c
+                .wait_slo_ms
+                .as_ref()
+                .map(|_| cx.bounded(&c.wait_slo_ms, "control.wait_slo_ms", 1..=u64::MAX, 1));
+            if let Some(r) = &c.route_wait_slo_ms {
+                for (route, ms) in &r.value {
+                    let known = Format::ALL
+                        .iter()
+                        .any(|f| route.strip_prefix(&format!("{f}/")).is_some_and(|m| !m.is_empty()));
+                    if !known {
+                        cx.err(
+                            r,
+                            format!("control.route_wait_slo_ms.{route}"),
+                            "a route is `format/model`, the format one of openai, anthropic, gemini",
+                        );
+                    } else if *ms == 0 {
+                        cx.err(
+                            r,
+                            format!("control.route_wait_slo_ms.{route}"),
+                            "must be greater than 0",
+                        );
+                    }
+                }
+                control.route_wait_slo_ms = r.value.clone();
+            }
+        }
+        let metrics_token = match &self.metrics_token {
+            Some(t) if t.value.trim().len() < 16 => {
+                cx.err(t, "metrics_token", "must be at least 16 characters");
+                None
+            }
+            Some(t) => Some(hash_secret(t.value.trim())),
+            None => None,
+        };
+
         if !cx.errors.is_empty() {
             return Err(ConfigErrors(cx.errors));
         }
         Ok(Config {
+            control,
+            metrics_token,
             listen,
             listen_warning,
             allowed_hosts,
@@ -1084,6 +1180,38 @@ owners:
         assert!(c.listen_warning.is_none());
         // The upstream key never shows in debug output (P3).
         assert!(!format!("{c:?}").contains("sk-upstream"));
+    }
+
+    #[test]
+    fn control_settings_parse_and_name_bad_fields() {
+        // spec: F4, G1
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.control, ControlSettings::default());
+        assert_eq!(c.control.wait_slo_ms("openai/m"), None);
+        let c = parse(&format!(
+            "control:\n  retry_budget_percent: 10\n  wait_slo_ms: 4000\n  route_wait_slo_ms:\n    openai/fast: 500\nmetrics_token: a-long-enough-token-123\n{GOOD}"
+        ))
+        .unwrap();
+        assert_eq!(c.control.retry_budget_ratio, 0.1);
+        assert_eq!(c.control.wait_slo_ms("openai/fast"), Some(500));
+        assert_eq!(c.control.wait_slo_ms("openai/other"), Some(4000));
+        assert_eq!(c.metrics_token, Some(hash_secret("a-long-enough-token-123")));
+        assert!(!format!("{c:?}").contains("a-long-enough-token-123"));
+        let e = parse(&format!(
+            "control:\n  retry_budget_percent: 120\n  route_wait_slo_ms:\n    fast: 500\nmetrics_token: short\n{GOOD}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("gw.yaml:2:") && e.contains("control.retry_budget_percent"),
+            "{e}"
+        );
+        assert!(e.contains("control.route_wait_slo_ms.fast"), "{e}");
+        assert!(e.contains("metrics_token: must be at least 16"), "{e}");
+        let e = parse(&format!("control:\n  retry_budjet: 1\n{GOOD}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("retry_budjet"), "{e}");
     }
 
     #[test]

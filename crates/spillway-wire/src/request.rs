@@ -17,6 +17,60 @@ pub struct ParsedRequest {
     pub max_output_tokens: Option<u64>,
     /// Rough input size in tokens (bytes / 4) until a tokenizer-based estimate lands.
     pub estimated_input_tokens: u64,
+    /// D4: a hash of the conversation's opening (its messages up to and including the
+    /// first user turn), the same on every later turn of the conversation; routing keeps
+    /// a conversation on its channel by it.
+    pub conversation: u64,
+}
+
+/// A message list: how many there are, and a hash of the opening ones.
+struct Messages {
+    len: usize,
+    opening: u64,
+}
+
+/// Just a message's role, read from its raw JSON.
+#[derive(Deserialize)]
+struct Role<'a> {
+    #[serde(default, borrow)]
+    role: Option<std::borrow::Cow<'a, str>>,
+}
+
+impl<'de> Deserialize<'de> for Messages {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Messages;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an array")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Messages, A::Error> {
+                use std::hash::{Hash, Hasher};
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                let mut len = 0;
+                let mut open = true;
+                // The opening: messages up to the first user turn (a system prompt alone
+                // is shared by every conversation of an application, so it is not enough).
+                while open {
+                    let Some(m) = seq.next_element::<&'de serde_json::value::RawValue>()? else {
+                        break;
+                    };
+                    len += 1;
+                    m.get().hash(&mut h);
+                    let role = serde_json::from_str::<Role>(m.get()).ok().and_then(|r| r.role);
+                    open = len < 4 && !matches!(role.as_deref(), Some("user") | None);
+                }
+                while seq.next_element::<IgnoredAny>()?.is_some() {
+                    len += 1;
+                }
+                Ok(Messages {
+                    len,
+                    opening: h.finish(),
+                })
+            }
+        }
+        d.deserialize_seq(V)
+    }
 }
 
 /// A request the gateway refuses with 400. `field` is the JSON path of the culprit.
@@ -51,7 +105,7 @@ struct StreamOptions {
 #[derive(Deserialize)]
 struct OpenAiChat {
     model: String,
-    messages: Vec<IgnoredAny>,
+    messages: Messages,
     #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
@@ -65,7 +119,7 @@ struct OpenAiChat {
 #[derive(Deserialize)]
 struct AnthropicMessages {
     model: String,
-    messages: Vec<IgnoredAny>,
+    messages: Messages,
     max_tokens: u64,
     #[serde(default)]
     stream: Option<bool>,
@@ -79,7 +133,7 @@ struct GenerationConfig {
 
 #[derive(Deserialize)]
 struct GeminiGenerate {
-    contents: Vec<IgnoredAny>,
+    contents: Messages,
     #[serde(default, rename = "generationConfig")]
     generation_config: Option<GenerationConfig>,
 }
@@ -221,18 +275,19 @@ pub fn parse_request(
     let parsed = match format {
         Format::OpenAi => {
             let r: OpenAiChat = decode(body)?;
-            non_empty("messages", r.messages.len())?;
+            non_empty("messages", r.messages.len)?;
             ParsedRequest {
                 model: r.model,
                 stream: r.stream.unwrap_or(false),
                 include_usage: r.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
                 max_output_tokens: r.max_completion_tokens.or(r.max_tokens),
                 estimated_input_tokens,
+                conversation: r.messages.opening,
             }
         }
         Format::Anthropic => {
             let r: AnthropicMessages = decode(body)?;
-            non_empty("messages", r.messages.len())?;
+            non_empty("messages", r.messages.len)?;
             if r.max_tokens == 0 {
                 return Err(RequestError::new(Some("max_tokens"), "must be at least 1"));
             }
@@ -242,17 +297,19 @@ pub fn parse_request(
                 include_usage: true,
                 max_output_tokens: Some(r.max_tokens),
                 estimated_input_tokens,
+                conversation: r.messages.opening,
             }
         }
         Format::Gemini => {
             let r: GeminiGenerate = decode(body)?;
-            non_empty("contents", r.contents.len())?;
+            non_empty("contents", r.contents.len)?;
             ParsedRequest {
                 model: path_model.unwrap_or_default().to_owned(),
                 stream: path_stream,
                 include_usage: true,
                 max_output_tokens: r.generation_config.and_then(|g| g.max_output_tokens),
                 estimated_input_tokens,
+                conversation: r.contents.opening,
             }
         }
     };
@@ -265,6 +322,33 @@ pub fn parse_request(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn d4_a_conversation_hashes_the_same_on_every_turn() {
+        // spec: D4
+        let conv = |f: Format, body: &str| {
+            parse_request(f, Some("g"), false, body.as_bytes())
+                .unwrap()
+                .conversation
+        };
+        let sys = r#"{"role":"system","content":"You are terse."}"#;
+        let u1 = r#"{"role":"user","content":"Hello"}"#;
+        let a1 = r#"{"role":"assistant","content":"Hi"}"#;
+        let u2 = r#"{"role":"user","content":"More"}"#;
+        let turn1 = format!(r#"{{"model":"m","messages":[{sys},{u1}]}}"#);
+        let turn2 = format!(r#"{{"model":"m","messages":[{sys},{u1},{a1},{u2}]}}"#);
+        assert_eq!(conv(Format::OpenAi, &turn1), conv(Format::OpenAi, &turn2));
+        // Another conversation of the same application (same system prompt) differs.
+        let other = format!(r#"{{"model":"m","messages":[{sys},{u2}]}}"#);
+        assert_ne!(conv(Format::OpenAi, &turn1), conv(Format::OpenAi, &other));
+        let an1 = format!(r#"{{"model":"m","max_tokens":5,"messages":[{u1}]}}"#);
+        let an2 = format!(r#"{{"model":"m","max_tokens":5,"messages":[{u1},{a1},{u2}]}}"#);
+        assert_eq!(conv(Format::Anthropic, &an1), conv(Format::Anthropic, &an2));
+        let g1 = r#"{"contents":[{"role":"user","parts":[{"text":"Hello"}]}]}"#;
+        let g2 =
+            r#"{"contents":[{"role":"user","parts":[{"text":"Hello"}]},{"role":"model","parts":[{"text":"Hi"}]}]}"#;
+        assert_eq!(conv(Format::Gemini, g1), conv(Format::Gemini, g2));
+    }
 
     fn err(format: Format, body: &str) -> RequestError {
         parse_request(format, Some("gemini-2.5-flash"), false, body.as_bytes()).unwrap_err()
@@ -391,7 +475,7 @@ mod tests {
             );
         }
         let e = err(Format::OpenAi, r#"{"model":"m","messages":"hi"}"#);
-        assert_eq!(e.message, "expected a sequence, got a string");
+        assert_eq!(e.message, "expected an array, got a string");
         let e = err(Format::Anthropic, r#"{"model":"m","max_tokens":-1,"messages":[{}]}"#);
         assert_eq!(e.message, "expected u64");
     }

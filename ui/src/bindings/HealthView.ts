@@ -13,4 +13,20 @@ back_in_ms: number | null,
 /**
  * E3: what the provider last reported as left, while its window runs.
  */
-remaining_requests: number | null, remaining_tokens: number | null, };
+remaining_requests: number | null, remaining_tokens: number | null, 
+/**
+ * D4: the factor (0–1) on its configured weight for new conversations.
+ */
+share: number, 
+/**
+ * D4: its latency estimate and its own normal, in ms; absent before any answer.
+ */
+latency_ms: number | null, normal_latency_ms: number | null, 
+/**
+ * Recent provider failures per answer (a moving average, 0–1).
+ */
+error_rate: number, 
+/**
+ * D5: ejections in a row (each doubles the cool-down).
+ */
+ejections: number, };

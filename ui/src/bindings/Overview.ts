@@ -3,6 +3,7 @@ import type { ChannelView } from "./ChannelView";
 import type { Headline } from "./Headline";
 import type { LedgerHealth } from "./LedgerHealth";
 import type { Rejection } from "./Rejection";
+import type { RouteControlView } from "./RouteControlView";
 import type { RouteFigures } from "./RouteFigures";
 import type { SeriesPoint } from "./SeriesPoint";
 import type { UnixMs } from "./UnixMs";
@@ -11,6 +12,10 @@ import type { UnixMs } from "./UnixMs";
  * Everything the overview shows, at connect time.
  */
 export type Overview = { now: UnixMs, headline: Headline, series: Array<SeriesPoint>, routes: Array<RouteFigures>, channels: Array<ChannelView>, 
+/**
+ * Breakers, retry budgets and amplification per route `format/model` (F4, F5, G4).
+ */
+control: Array<RouteControlView>, 
 /**
  * Requests refused before they had a valid key, newest first.
  */

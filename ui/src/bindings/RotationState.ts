@@ -3,4 +3,4 @@
 /**
  * A channel's place in rotation, as the console shows it.
  */
-export type RotationState = "ready" | "paced" | "ejected";
+export type RotationState = "ready" | "paced" | "ejected" | "cooling" | "recovering";

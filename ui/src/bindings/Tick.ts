@@ -3,6 +3,7 @@ import type { ChannelView } from "./ChannelView";
 import type { Headline } from "./Headline";
 import type { LedgerHealth } from "./LedgerHealth";
 import type { Rejection } from "./Rejection";
+import type { RouteControlView } from "./RouteControlView";
 import type { RouteFigures } from "./RouteFigures";
 import type { SeriesPoint } from "./SeriesPoint";
 import type { UnixMs } from "./UnixMs";
@@ -10,4 +11,4 @@ import type { UnixMs } from "./UnixMs";
 /**
  * One live update: the newest second and the current tables.
  */
-export type Tick = { now: UnixMs, headline: Headline, point: SeriesPoint, routes: Array<RouteFigures>, channels: Array<ChannelView>, rejections: Array<Rejection>, ledger: LedgerHealth, };
+export type Tick = { now: UnixMs, headline: Headline, point: SeriesPoint, routes: Array<RouteFigures>, channels: Array<ChannelView>, control: Array<RouteControlView>, rejections: Array<Rejection>, ledger: LedgerHealth, };

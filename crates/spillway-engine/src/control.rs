@@ -1,0 +1,609 @@
+//! The control plane in the request path (D4, D5, F4, F5, G1–G4): one breaker, retry
+//! budget and set of amplification figures per route (`format/model`), every channel's
+//! ejection and share, and the conversations pinned to channels. This module owns what
+//! the state machines of `spillway-control` leave to their caller: persisting each
+//! transition with its audit entry (in order, durably), restoring them at start-up, and
+//! alerting when a breaker opens or a channel is ejected.
+
+use crate::clock;
+use crate::state::{AppState, ChannelRt, Severity};
+use serde::{Deserialize, Serialize};
+pub use spillway_control::Outcome;
+use spillway_control::{
+    Admission, Amplification, AmplificationView, Breaker, BreakerConfig, BreakerSnapshot, BreakerState, BreakerView,
+    OutlierSnapshot, OutlierTransition, RetryBudget, Transition,
+};
+use spillway_ledger::{AuditEntry, ControlState, Ledger};
+use spillway_wire::{ErrorClass, Format, Signal, UnixMs};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use ts_rs::TS;
+
+/// Routes with a breaker of their own; a `*` channel lets clients name any model, so past
+/// this many the rest of a format share one.
+const MAX_ROUTES: usize = 256;
+/// The model part of that shared route.
+pub const OTHER_MODELS: &str = "(other models)";
+/// Conversations remembered for stickiness; the least recently used go first.
+const MAX_PINS: usize = 50_000;
+/// F4's window.
+const BUDGET_WINDOW: Duration = Duration::from_secs(10);
+
+/// What an attempt's outcome says about the upstream's health.
+pub fn outcome_of(signal: &Signal) -> Outcome {
+    match signal.class {
+        ErrorClass::RateLimit => Outcome::RateLimited,
+        ErrorClass::Quota if signal.http_status == Some(429) => Outcome::RateLimited,
+        ErrorClass::Overload
+        | ErrorClass::ServerError
+        | ErrorClass::Transient
+        | ErrorClass::Timeout
+        | ErrorClass::Unreachable
+        | ErrorClass::StreamInterrupted => Outcome::ProviderFailure,
+        _ => Outcome::Neutral,
+    }
+}
+
+struct RouteInner {
+    breaker: Breaker,
+    budget: RetryBudget,
+    amp: Amplification,
+}
+
+/// One route's breaker, retry budget and figures.
+pub struct RouteControl {
+    /// `format/model`.
+    pub name: String,
+    inner: Mutex<RouteInner>,
+}
+
+/// A route as the console shows it.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct RouteControlView {
+    pub route: String,
+    pub breaker: BreakerView,
+    pub amplification: AmplificationView,
+    /// F4: new requests and retries in the budget's window, and the retries it allows.
+    pub budget_requests: u64,
+    pub budget_retries: u64,
+    pub budget_allowed: u64,
+    /// G1's cost trigger: why it is dormant, until a budget is configured.
+    pub cost_trigger: String,
+}
+
+/// A probation probe in flight; dropped without an outcome, it is given back.
+pub struct Probe {
+    route: Arc<RouteControl>,
+    done: bool,
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        if !self.done {
+            self.route.with(|i| i.breaker.probe_abandoned());
+        }
+    }
+}
+
+/// What ingress does with a request, per its route's breaker.
+pub enum Admit {
+    Send,
+    Probe(Probe),
+    Refuse { retry_after: Duration, reason: String },
+}
+
+impl RouteControl {
+    fn with<R>(&self, f: impl FnOnce(&mut RouteInner) -> R) -> R {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        f(&mut g)
+    }
+
+    /// G2, G3: whether the request may go out.
+    pub fn admit(self: &Arc<Self>, st: &AppState) -> Admit {
+        let now = Instant::now();
+        let (a, moved, snap) = self.with(|i| {
+            let (a, t) = i.breaker.admit(now);
+            let snap = t.is_some().then(|| i.breaker.snapshot(now));
+            (a, t, snap)
+        });
+        if let (Some(t), Some(s)) = (moved, snap) {
+            st.control.breaker_moved(st, &self.name, t, s, "gateway", None);
+        }
+        match a {
+            Admission::Send => {
+                self.with(|i| i.budget.request(now));
+                Admit::Send
+            }
+            Admission::Probe => {
+                self.with(|i| i.budget.request(now));
+                Admit::Probe(Probe {
+                    route: self.clone(),
+                    done: false,
+                })
+            }
+            Admission::Refuse { retry_after, reason } => Admit::Refuse { retry_after, reason },
+        }
+    }
+
+    /// G1: a request was admitted to a channel after `wait` (or gave up after it).
+    pub fn on_wait(&self, st: &AppState, wait: Duration) {
+        let now = Instant::now();
+        let moved = self.with(|i| i.breaker.on_wait(wait, now).map(|t| (t, i.breaker.snapshot(now))));
+        if let Some((t, s)) = moved {
+            st.control.breaker_moved(st, &self.name, t, s, "gateway", None);
+        }
+    }
+
+    /// An attempt of the route ended; a probe's outcome closes or reopens the breaker.
+    pub fn on_attempt(&self, st: &AppState, outcome: Outcome, latency: Duration, probe: Option<&mut Probe>) {
+        let now = Instant::now();
+        let moved = self.with(|i| {
+            let t = match probe {
+                Some(p) if !p.done => {
+                    p.done = true;
+                    // Duplicates come from the idempotency ledger; until it exists no
+                    // probe can be known to have run twice.
+                    i.breaker.probe_result(outcome, latency, false, now)
+                }
+                _ => i.breaker.on_attempt(outcome, latency, now),
+            };
+            t.map(|t| (t, i.breaker.snapshot(now)))
+        });
+        if let Some((t, s)) = moved {
+            st.control.breaker_moved(st, &self.name, t, s, "gateway", None);
+        }
+    }
+
+    /// When an open breaker's next probe is due, if it is open with one due.
+    pub fn retry_after(&self) -> Option<Duration> {
+        let now = Instant::now();
+        self.with(|i| {
+            let v = i.breaker.view(now);
+            match v.state {
+                BreakerState::Open => Some(Duration::from_millis(v.probe_in_ms.unwrap_or(60_000))),
+                BreakerState::Probation => Some(Duration::from_secs(1)),
+                BreakerState::Closed => None,
+            }
+        })
+    }
+
+    /// Whether automatic sending may go on (a failed attempt may be followed by another).
+    pub fn sending(&self) -> bool {
+        self.with(|i| i.breaker.state() == BreakerState::Closed)
+    }
+
+    /// F4: takes a retry from the budget; `Err` with when to ask again when none is left.
+    pub fn try_retry(&self) -> Result<(), Duration> {
+        let now = Instant::now();
+        self.with(|i| {
+            if i.budget.try_retry(now) {
+                Ok(())
+            } else {
+                Err(i.budget.refill_in(now))
+            }
+        })
+    }
+
+    /// F5: a request of the route ended after `attempts` attempts.
+    pub fn finished(&self, attempts: u32, ok: bool) {
+        let now = Instant::now();
+        self.with(|i| i.amp.finished(attempts, ok, now));
+    }
+
+    pub fn view(&self, cost_trigger: &str) -> RouteControlView {
+        let now = Instant::now();
+        self.with(|i| {
+            let (r, t, a) = i.budget.figures(now);
+            RouteControlView {
+                route: self.name.clone(),
+                breaker: i.breaker.view(now),
+                amplification: i.amp.view(now),
+                budget_requests: r,
+                budget_retries: t,
+                budget_allowed: a,
+                cost_trigger: cost_trigger.to_owned(),
+            }
+        })
+    }
+
+    pub fn state(&self) -> BreakerState {
+        self.with(|i| i.breaker.state())
+    }
+
+    fn force(&self, open: bool, reason: &str) -> Option<(Transition, BreakerSnapshot)> {
+        let now = Instant::now();
+        self.with(|i| {
+            let t = if open {
+                i.breaker.force_open(reason, now)
+            } else {
+                i.breaker.force_close(reason, now)
+            };
+            t.map(|t| (t, i.breaker.snapshot(now)))
+        })
+    }
+}
+
+/// A breaker or channel state as the ledger keeps it.
+#[derive(Serialize, Deserialize)]
+struct Saved<T> {
+    saved_at: UnixMs,
+    #[serde(flatten)]
+    state: T,
+}
+
+/// One write to the ledger, in the order transitions happened.
+struct Persist {
+    state: Option<ControlState>,
+    audit: AuditEntry,
+    done: Option<oneshot::Sender<spillway_ledger::Result<()>>>,
+}
+
+#[derive(Default)]
+struct Pins {
+    /// Conversation → (channel, last use tick).
+    map: HashMap<u64, (Arc<str>, u64)>,
+    tick: u64,
+}
+
+/// Every route's control and the conversations' channels.
+#[derive(Default)]
+pub struct Control {
+    routes: Mutex<HashMap<String, Arc<RouteControl>>>,
+    pins: Mutex<Pins>,
+    persist: OnceLock<mpsc::UnboundedSender<Persist>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn breaker_config(st: &AppState, route: &str) -> BreakerConfig {
+    BreakerConfig {
+        wait_slo: st.config.control.wait_slo_ms(route).map(Duration::from_millis),
+        ..Default::default()
+    }
+}
+
+fn action(t: &Transition) -> String {
+    let s = |b: BreakerState| match b {
+        BreakerState::Closed => "closed",
+        BreakerState::Open => "open",
+        BreakerState::Probation => "probation",
+    };
+    format!("{}->{}", s(t.from), s(t.to))
+}
+
+impl Control {
+    /// The route of `model` in `format`, made on first use.
+    pub fn route(&self, st: &AppState, format: Format, model: &str) -> Arc<RouteControl> {
+        let mut routes = lock(&self.routes);
+        let name = format!("{format}/{model}");
+        if let Some(r) = routes.get(&name) {
+            return r.clone();
+        }
+        let name = if routes.len() < MAX_ROUTES {
+            name
+        } else {
+            format!("{format}/{OTHER_MODELS}")
+        };
+        routes
+            .entry(name.clone())
+            .or_insert_with(|| Arc::new(Self::new_route(st, name)))
+            .clone()
+    }
+
+    fn new_route(st: &AppState, name: String) -> RouteControl {
+        let now = Instant::now();
+        let c = &st.config.control;
+        RouteControl {
+            inner: Mutex::new(RouteInner {
+                breaker: Breaker::new(breaker_config(st, &name), now),
+                budget: RetryBudget::new(c.retry_budget_ratio, u64::from(c.retry_budget_min), BUDGET_WINDOW, now),
+                amp: Amplification::new(now),
+            }),
+            name,
+        }
+    }
+
+    pub fn get(&self, route: &str) -> Option<Arc<RouteControl>> {
+        lock(&self.routes).get(route).cloned()
+    }
+
+    /// Every route's view, by name.
+    pub fn views(&self, st: &AppState) -> Vec<RouteControlView> {
+        let mut routes: Vec<Arc<RouteControl>> = lock(&self.routes).values().cloned().collect();
+        routes.sort_by(|a, b| a.name.cmp(&b.name));
+        let cost = cost_trigger(st);
+        routes.iter().map(|r| r.view(&cost)).collect()
+    }
+
+    /// D4: the channel a conversation was last served by.
+    pub fn pinned(&self, conversation: u64) -> Option<Arc<str>> {
+        let mut p = lock(&self.pins);
+        p.tick += 1;
+        let tick = p.tick;
+        p.map.get_mut(&conversation).map(|(c, t)| {
+            *t = tick;
+            c.clone()
+        })
+    }
+
+    /// D4: `channel` served the conversation; later turns go there while it is in rotation.
+    pub fn pin(&self, conversation: u64, channel: &ChannelRt) {
+        let mut p = lock(&self.pins);
+        p.tick += 1;
+        let tick = p.tick;
+        if let Some((c, t)) = p.map.get_mut(&conversation) {
+            *t = tick;
+            if **c != *channel.cfg.name {
+                *c = channel.name.clone();
+            }
+            return;
+        }
+        if p.map.len() >= MAX_PINS {
+            // Forget the older half at once: rare, and cheaper than an LRU list per request.
+            let mut ticks: Vec<u64> = p.map.values().map(|(_, t)| *t).collect();
+            let (_, median, _) = ticks.select_nth_unstable(MAX_PINS / 2);
+            let cut = *median;
+            p.map.retain(|_, (_, t)| *t > cut);
+        }
+        p.map.insert(conversation, (channel.name.clone(), tick));
+    }
+
+    /// Writes in the order given, on one task, so the latest state is the one kept.
+    fn persist(&self, ledger: &Ledger, p: Persist) {
+        let tx = self.persist.get_or_init(|| {
+            let (tx, mut rx) = mpsc::unbounded_channel::<Persist>();
+            let ledger = ledger.clone();
+            tokio::spawn(async move {
+                while let Some(p) = rx.recv().await {
+                    let r = ledger.record_transition(p.state.as_ref(), &p.audit).await;
+                    if let Err(e) = &r {
+                        tracing::error!(error = %e, subject = %p.audit.subject, "could not record a control transition");
+                    }
+                    if let Some(done) = p.done {
+                        let _ = done.send(r);
+                    }
+                }
+            });
+            tx
+        });
+        if let Err(e) = tx.send(p)
+            && let Some(done) = e.0.done
+        {
+            let _ = done.send(Err(spillway_ledger::Error::WriterStopped));
+        }
+    }
+
+    /// A breaker moved: logged, persisted with its audit entry, alerted when it opens or
+    /// closes.
+    fn breaker_moved(
+        &self,
+        st: &AppState,
+        route: &str,
+        t: Transition,
+        snap: BreakerSnapshot,
+        actor: &str,
+        done: Option<oneshot::Sender<spillway_ledger::Result<()>>>,
+    ) {
+        let at = clock::now();
+        tracing::warn!(route, from = ?t.from, to = ?t.to, trigger = ?t.trigger, "breaker: {}", t.reason);
+        match t.to {
+            BreakerState::Open if t.from == BreakerState::Closed => st.alert(
+                Severity::Critical,
+                format!("Breaker open on {route}"),
+                format!(
+                    "{}. Interactive requests on this route fail fast until probation passes.",
+                    t.reason
+                ),
+                Some(route.to_owned()),
+            ),
+            BreakerState::Closed => st.alert(
+                Severity::Resolved,
+                format!("Breaker closed on {route}"),
+                t.reason.clone(),
+                Some(route.to_owned()),
+            ),
+            _ => {}
+        }
+        let state = serde_json::to_string(&Saved {
+            saved_at: at,
+            state: snap,
+        })
+        .ok()
+        .map(|state| ControlState {
+            kind: "breaker".into(),
+            subject: route.to_owned(),
+            state,
+            updated_at: at,
+        });
+        let audit = AuditEntry {
+            id: 0,
+            at,
+            kind: "breaker".into(),
+            subject: route.to_owned(),
+            actor: actor.to_owned(),
+            action: action(&t),
+            trigger: serde_json::to_value(t.trigger)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned)),
+            reason: t.reason,
+            figures: serde_json::to_string(&t.figures).ok(),
+        };
+        self.persist(&st.ledger, Persist { state, audit, done });
+    }
+
+    /// A channel left or re-entered rotation.
+    pub fn channel_moved(&self, st: &AppState, channel: &ChannelRt, t: OutlierTransition, actor: &str) {
+        let at = clock::now();
+        let name = &channel.cfg.name;
+        if t.ejected {
+            tracing::warn!(channel = %name, "channel ejected: {}", t.reason);
+            st.alert(
+                Severity::Warning,
+                format!("Channel {name} left rotation"),
+                t.reason.clone(),
+                Some(name.clone()),
+            );
+        } else {
+            tracing::info!(channel = %name, "channel back: {}", t.reason);
+        }
+        self.save_channel(
+            st,
+            channel,
+            at,
+            actor,
+            if t.ejected { "ejected" } else { "back_in_rotation" },
+            t.reason,
+            None,
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn save_channel(
+        &self,
+        st: &AppState,
+        channel: &ChannelRt,
+        at: UnixMs,
+        actor: &str,
+        action: &str,
+        reason: String,
+        done: Option<oneshot::Sender<spillway_ledger::Result<()>>>,
+    ) {
+        let snap = channel.health.outlier_snapshot(Instant::now());
+        let state = serde_json::to_string(&Saved {
+            saved_at: at,
+            state: snap,
+        })
+        .ok()
+        .map(|state| ControlState {
+            kind: "channel".into(),
+            subject: channel.cfg.name.clone(),
+            state,
+            updated_at: at,
+        });
+        let audit = AuditEntry {
+            id: 0,
+            at,
+            kind: "channel".into(),
+            subject: channel.cfg.name.clone(),
+            actor: actor.to_owned(),
+            action: action.to_owned(),
+            trigger: None,
+            reason,
+            figures: None,
+        };
+        self.persist(&st.ledger, Persist { state, audit, done });
+    }
+
+    /// An operator restored a channel: on the record before this returns.
+    pub async fn channel_restored(
+        &self,
+        st: &AppState,
+        channel: &ChannelRt,
+        actor: &str,
+        reason: &str,
+    ) -> spillway_ledger::Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.save_channel(
+            st,
+            channel,
+            clock::now(),
+            actor,
+            "restored",
+            format!("restored by an operator: {reason}"),
+            Some(tx),
+        );
+        rx.await.unwrap_or(Err(spillway_ledger::Error::WriterStopped))
+    }
+
+    /// G4: an operator opens (`open`) or closes a breaker, on the record before this
+    /// returns. `Ok(false)` when it already was so.
+    pub async fn force(
+        &self,
+        st: &AppState,
+        route: &Arc<RouteControl>,
+        open: bool,
+        actor: &str,
+        reason: &str,
+    ) -> spillway_ledger::Result<bool> {
+        let Some((t, snap)) = route.force(open, reason) else {
+            return Ok(false);
+        };
+        let (tx, rx) = oneshot::channel();
+        self.breaker_moved(st, &route.name, t, snap, actor, Some(tx));
+        rx.await.unwrap_or(Err(spillway_ledger::Error::WriterStopped))?;
+        Ok(true)
+    }
+
+    /// G4, D5: breakers and ejections as the ledger kept them; a restart keeps them.
+    pub async fn restore(&self, st: &AppState) -> spillway_ledger::Result<usize> {
+        let now = Instant::now();
+        let wall = clock::now();
+        let mut n = 0;
+        for row in st.ledger.control_states().await? {
+            let elapsed = |saved: UnixMs| Duration::from_millis(wall.since(saved));
+            match row.kind.as_str() {
+                "breaker" => {
+                    let Ok(s) = serde_json::from_str::<Saved<BreakerSnapshot>>(&row.state) else {
+                        tracing::warn!(route = %row.subject, "unreadable saved breaker state; starting closed");
+                        continue;
+                    };
+                    let Some((format, model)) = row.subject.split_once('/') else {
+                        continue;
+                    };
+                    let Ok(format) = format.parse::<Format>() else { continue };
+                    let route = self.route(st, format, model);
+                    let b = Breaker::restore(breaker_config(st, &route.name), &s.state, elapsed(s.saved_at), now);
+                    if b.state() != BreakerState::Closed {
+                        tracing::warn!(route = %route.name, "breaker restored {:?}", b.state());
+                    }
+                    route.with(|i| i.breaker = b);
+                    n += 1;
+                }
+                "channel" => {
+                    let Ok(s) = serde_json::from_str::<Saved<OutlierSnapshot>>(&row.state) else {
+                        continue;
+                    };
+                    if let Some(c) = st.channels.iter().find(|c| c.cfg.name == row.subject) {
+                        c.health.restore_outlier(&s.state, elapsed(s.saved_at), now);
+                        n += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// G1's cost trigger has no budget to compare with until budgets exist.
+fn cost_trigger(_st: &AppState) -> String {
+    "dormant: no budget configured".to_owned()
+}
+
+/// Records what time alone changes: channels whose cool-down ended come back (D5), on the
+/// record like any other transition. Once a second; stops with the gateway.
+pub fn tick(st: &Arc<AppState>) {
+    let weak = Arc::downgrade(st);
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(1));
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            every.tick().await;
+            let Some(st) = weak.upgrade() else { return };
+            if st.shutdown.cancel.is_cancelled() {
+                return;
+            }
+            let now = Instant::now();
+            for c in &st.channels {
+                if let Some(t) = c.health.advance(now) {
+                    st.control.channel_moved(&st, c, t, "gateway");
+                }
+            }
+        }
+    });
+}
