@@ -1,10 +1,11 @@
 import { useEffect, useState } from 'react'
 import type { Connection } from './api'
+import { BreakersView } from './Breakers'
 import { ConnectView } from './Connect'
 import { LedgerView } from './Ledger'
 import { OverviewView } from './Overview'
+import { linkProps, navigate, useRoute } from './router'
 
-type View = 'overview' | 'ledger'
 const KEY = 'spillway.connection'
 
 /** The token arrives once in the URL fragment (never sent to a server), then lives in
@@ -24,13 +25,15 @@ function initialConnection(): Connection | null {
 
 export function App() {
   const [conn, setConn] = useState<Connection | null>(initialConnection)
-  const [view, setView] = useState<View>('overview')
+  const route = useRoute()
 
   useEffect(() => {
     const onKey = (e: KeyboardEvent) => {
-      if (e.target instanceof HTMLInputElement || e.target instanceof HTMLSelectElement || e.altKey || e.ctrlKey || e.metaKey) return
-      if (e.key === '1') setView('overview')
-      if (e.key === '2') setView('ledger')
+      const typing = e.target instanceof HTMLInputElement || e.target instanceof HTMLSelectElement || e.target instanceof HTMLTextAreaElement
+      if (typing || e.altKey || e.ctrlKey || e.metaKey) return
+      if (e.key === '1') navigate({ view: 'overview' })
+      if (e.key === '2') navigate({ view: 'breakers', route: null })
+      if (e.key === '3') navigate({ view: 'ledger', id: null })
     }
     window.addEventListener('keydown', onKey)
     return () => window.removeEventListener('keydown', onKey)
@@ -54,13 +57,18 @@ export function App() {
       <header className="top">
         <strong className="brand">Spillway</strong>
         <nav aria-label="Views">
-          <button aria-current={view === 'overview'} onClick={() => setView('overview')} title="Overview (1)">Overview</button>
-          <button aria-current={view === 'ledger'} onClick={() => setView('ledger')} title="Ledger (2)">Ledger</button>
+          <a {...linkProps({ view: 'overview' })} aria-current={route.view === 'overview' ? 'page' : undefined} title="Overview (1)">Overview</a>
+          <a {...linkProps({ view: 'breakers', route: null })} aria-current={route.view === 'breakers' ? 'page' : undefined} title="Breakers (2)">Breakers</a>
+          <a {...linkProps({ view: 'ledger', id: null })} aria-current={route.view === 'ledger' ? 'page' : undefined} title="Ledger (3)">Ledger</a>
         </nav>
         <span className="muted gateway">{conn.url}</span>
         <button className="link" onClick={() => { sessionStorage.removeItem(KEY); setConn(null) }}>Disconnect</button>
       </header>
-      <main>{view === 'overview' ? <OverviewView conn={conn} /> : <LedgerView conn={conn} />}</main>
+      <main>
+        {route.view === 'overview' && <OverviewView conn={conn} />}
+        {route.view === 'breakers' && <BreakersView conn={conn} selected={route.route} />}
+        {route.view === 'ledger' && <LedgerView conn={conn} selected={route.id} />}
+      </main>
     </>
   )
 }

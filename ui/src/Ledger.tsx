@@ -3,15 +3,23 @@ import { useEffect, useMemo, useRef, useState } from 'react'
 import { getRequest, searchRequests, type Connection } from './api'
 import type { RequestState } from './bindings/RequestState'
 import type { Search } from './bindings/Search'
+import { navigate } from './router'
 import { count, decision, failureClass, ms, since, statePill, time } from './format'
 
 const STATES: RequestState[] = ['received', 'calling_api', 'api_completed', 'side_effect_pending', 'done', 'failed', 'unknown']
 
-export function LedgerView({ conn }: { conn: Connection }) {
+/** Opens a request's detail (or closes it); moving through the list replaces the entry. */
+function select(id: string | null, replace = false) {
+  navigate({ view: 'ledger', id }, replace)
+}
+
+export function LedgerView({ conn, selected: linked }: { conn: Connection; selected: string | null }) {
   const [draft, setDraft] = useState({ q: '', route: '', state: '', window: '' })
   const [search, setSearch] = useState<Search>({ q: null, route: null, state: null, from_ms: null, to_ms: null, before: null, limit: 50 })
   const [cursors, setCursors] = useState<(string | null)[]>([])
-  const [selected, setSelected] = useState<string | null>(null)
+  // The selected request is in the URL (`/ledger/<id>`): it can be linked to, and the back
+  // button closes it.
+  const selected = linked
   const box = useRef<HTMLInputElement>(null)
 
   const page = useQuery({
@@ -31,7 +39,7 @@ export function LedgerView({ conn }: { conn: Connection }) {
         e.preventDefault()
         const i = items.findIndex((r) => r.id === selected)
         const next = e.key === 'j' || e.key === 'ArrowDown' ? Math.min(items.length - 1, i + 1) : Math.max(0, i - 1)
-        setSelected(items[next].id)
+        select(items[next].id, true)
       }
     }
     window.addEventListener('keydown', onKey)
@@ -78,8 +86,8 @@ export function LedgerView({ conn }: { conn: Connection }) {
               </thead>
               <tbody>
                 {items.map((r) => (
-                  <tr key={r.id} aria-selected={r.id === selected} onClick={() => setSelected(r.id)} tabIndex={0}
-                    onKeyDown={(e) => e.key === 'Enter' && setSelected(r.id)}>
+                  <tr key={r.id} aria-selected={r.id === selected} onClick={() => select(r.id)} tabIndex={0}
+                    onKeyDown={(e) => e.key === 'Enter' && select(r.id)}>
                     <td>{time(r.received_at)}</td><td className="mono">{r.id}</td><td>{r.route ?? '—'}</td>
                     <td><span className={statePill(r.state)}>{r.state}</span></td>
                     <td className="num">{r.http_status ?? '—'}</td><td className="num">{r.attempts}</td>
@@ -102,7 +110,7 @@ export function LedgerView({ conn }: { conn: Connection }) {
             }}>Older →</button>
           </div>
         </div>
-        {selected && <Detail conn={conn} id={selected} onClose={() => setSelected(null)} />}
+        {selected && <Detail conn={conn} id={selected} onClose={() => select(null)} />}
       </div>
     </section>
   )

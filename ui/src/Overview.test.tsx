@@ -16,7 +16,7 @@ const overview: Overview = {
 }
 
 vi.mock('./useLive', () => ({
-  useLive: () => ({ overview, error: null, connected: true, alerts: [] }),
+  useLive: () => ({ overview, error: null, connected: true, alerts: [], history: {} }),
 }))
 vi.mock('./Chart', () => ({ Chart: () => null }))
 

@@ -1,8 +1,10 @@
 import { useMemo, useState } from 'react'
 import { restoreChannel, type Connection } from './api'
 import type { ChannelView } from './bindings/ChannelView'
+import type { RouteControlView } from './bindings/RouteControlView'
+import { linkProps } from './router'
 import { Chart } from './Chart'
-import { count, errorMix, ms, pct, rate, rejectReason, rotationPill, severityClass, time, usd } from './format'
+import { breakerPill, count, errorMix, ms, pct, rate, rejectReason, rotationPill, severityClass, time, usd } from './format'
 import { useLive } from './useLive'
 
 export function OverviewView({ conn }: { conn: Connection }) {
@@ -77,6 +79,7 @@ export function OverviewView({ conn }: { conn: Connection }) {
               <th className="num">Requests</th><th className="num" title="Succeeded ÷ finished">Success</th>
               <th className="num" title="Upstream attempts ÷ requests (retry amplification)">Attempts/req</th>
               <th title="Failed upstream attempts by class since start, retried or not">Errors by class</th><th className="num">Cost</th>
+              <th>Breaker</th>
             </tr>
           </thead>
           <tbody>
@@ -90,6 +93,7 @@ export function OverviewView({ conn }: { conn: Connection }) {
                 <td className="num">{r.requests ? (r.attempts / r.requests).toFixed(2) : '—'}</td>
                 <td data-testid="route-errors">{errorMix(r.errors_by_class)}</td>
                 <td className="num">{r.cost_unknown === r.requests ? 'unknown' : usd(r.cost_usd, r.cost_unknown)}</td>
+                <td><BreakerLink route={`${r.provider}/${r.model}`} control={overview.control} /></td>
               </tr>
             ))}
           </tbody>
@@ -100,7 +104,8 @@ export function OverviewView({ conn }: { conn: Connection }) {
         <thead>
           <tr>
             <th>Channel</th><th>Format</th><th>Upstream</th><th>Models</th><th className="num">In flight / cap</th>
-            <th title="ready: takes new work · paced: the provider asked for a pause (Retry-After or reset) · ejected: credential or quota refused">Rotation</th>
+            <th title="ready: takes new work · paced: the provider asked for a pause (Retry-After or reset) · ejected: credential or quota refused · cooling: out after repeated failures, back by itself · recovering: back, its share rising">Rotation</th>
+            <th className="num">Share</th><th className="num">Latency</th><th className="num">Errors · ejections</th>
             <th title="The provider's own rate-limit headers: what is left in the current window">Provider room</th><th />
           </tr>
         </thead>
@@ -127,6 +132,9 @@ export function OverviewView({ conn }: { conn: Connection }) {
 }
 
 function ChannelRow({ c, conn }: { c: ChannelView; conn: Connection }) {
+  const [asking, setAsking] = useState(false)
+  const [actor, setActor] = useState(() => localStorage.getItem('spillway.actor') ?? '')
+  const [reason, setReason] = useState('')
   const [busy, setBusy] = useState(false)
   const [err, setErr] = useState<string | null>(null)
   const h = c.health
@@ -136,18 +144,22 @@ function ChannelRow({ c, conn }: { c: ChannelView; conn: Connection }) {
     h.remaining_requests !== null ? `${count(h.remaining_requests)} req` : null,
     h.remaining_tokens !== null ? `${count(h.remaining_tokens)} tok` : null,
   ].filter(Boolean)
-  const restore = async () => {
-    if (!window.confirm(`Put channel ${c.name} back into rotation? New requests will be sent to it again; if its credential or quota is still refused it will be ejected again on the next failure.`)) return
+  const restore = async (e: React.FormEvent) => {
+    e.preventDefault()
     setBusy(true)
     setErr(null)
     try {
-      await restoreChannel(conn, c.name)
+      localStorage.setItem('spillway.actor', actor.trim())
+      await restoreChannel(conn, c.name, { actor, reason })
+      setAsking(false)
+      setReason('')
     } catch (e) {
       setErr((e as Error).message)
     } finally {
       setBusy(false)
     }
   }
+  const latency = h.latency_ms === null ? '—' : `${ms(h.latency_ms)} (normal ${ms(h.normal_latency_ms)})`
   return (
     <tr data-testid={`channel-${c.name}`}>
       <td>{c.name}</td><td>{c.format}</td>
@@ -160,12 +172,34 @@ function ChannelRow({ c, conn }: { c: ChannelView; conn: Connection }) {
         {h.state === 'ejected' && h.back_in_ms === null && <span className="muted"> until restored</span>}
         {h.reason && <div className="muted small">{h.reason}</div>}
       </td>
+      <td className="num" data-testid="channel-share" title="Its weight’s factor for new conversations: lowered by latency above its normal and by recent errors; ramps up after a cool-down">{pct(h.share)}</td>
+      <td className="num" title="Latency estimate (peak-weighted, recent) against the channel’s own normal">{latency}</td>
+      <td className="num" title="Provider failures per answer, recent average · ejections in a row">{pct(h.error_rate)} · {h.ejections}</td>
       <td className="num">{room.length ? room.join(' · ') : '—'}</td>
       <td>
-        {h.state !== 'ready' && <button onClick={restore} disabled={busy} data-testid="restore">Restore</button>}
+        {h.state !== 'ready' && !asking && <button onClick={() => setAsking(true)} data-testid="restore">Restore…</button>}
+        {asking && (
+          <form onSubmit={restore} className="inline-form" data-testid="restore-form">
+            <span className="small">Send new requests to {c.name} again now. If it still fails it leaves rotation again.</span>
+            <input aria-label="Your name" placeholder="Your name" value={actor} onChange={(e) => setActor(e.target.value)} required maxLength={64} />
+            <input aria-label="Reason" placeholder="Reason (goes on the audit log)" value={reason} onChange={(e) => setReason(e.target.value)} required maxLength={500} />
+            <button type="submit" disabled={busy || !actor.trim() || !reason.trim()} data-testid="restore-confirm">Restore</button>
+            <button type="button" onClick={() => setAsking(false)}>Cancel</button>
+          </form>
+        )}
         {err && <div role="alert" className="error small">{err}</div>}
       </td>
     </tr>
+  )
+}
+
+function BreakerLink({ route, control }: { route: string; control: RouteControlView[] }) {
+  const v = control.find((c) => c.route === route)
+  if (!v) return <span className="muted">—</span>
+  return (
+    <a {...linkProps({ view: 'breakers', route })} data-testid="route-breaker">
+      <span className={breakerPill(v.breaker.state)}>{v.breaker.state}</span>
+    </a>
   )
 }
 

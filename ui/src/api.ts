@@ -1,6 +1,10 @@
 // The admin API client: every call carries the admin token; live updates come over a
 // fetch-read event stream (EventSource cannot send an Authorization header).
+import type { AuditEntry } from './bindings/AuditEntry'
+import type { BreakerAction } from './bindings/BreakerAction'
 import type { ChannelView } from './bindings/ChannelView'
+import type { OperatorAction } from './bindings/OperatorAction'
+import type { RouteControlView } from './bindings/RouteControlView'
 import type { Overview } from './bindings/Overview'
 import type { Page } from './bindings/Page'
 import type { RequestDetail } from './bindings/RequestDetail'
@@ -54,9 +58,27 @@ export function searchRequests(c: Connection, s: Search): Promise<Page> {
 export const getRequest = (c: Connection, id: string) =>
   call<RequestDetail>(c, `/admin/v1/requests/${encodeURIComponent(id)}`)
 
-/** E2: put an ejected or paced channel back into rotation. */
-export const restoreChannel = (c: Connection, name: string) =>
-  call<ChannelView>(c, `/admin/v1/channels/${encodeURIComponent(name)}/restore`, { method: 'POST' })
+const post = (body: unknown): RequestInit => ({
+  method: 'POST',
+  headers: { 'Content-Type': 'application/json' },
+  body: JSON.stringify(body),
+})
+
+/** E2, D5: put an ejected, paced or cooling channel back into rotation, on the record. */
+export const restoreChannel = (c: Connection, name: string, action: OperatorAction) =>
+  call<ChannelView>(c, `/admin/v1/channels/${encodeURIComponent(name)}/restore`, post(action))
+
+/** G4: open or close a route's breaker by hand, with who and why. */
+export const setBreaker = (c: Connection, open: boolean, action: BreakerAction) =>
+  call<RouteControlView>(c, `/admin/v1/breakers/${open ? 'open' : 'close'}`, post(action))
+
+/** G4: the audit log, newest first. */
+export function getAudit(c: Connection, kind: string | null, subject: string | null, limit = 50): Promise<AuditEntry[]> {
+  const p = new URLSearchParams({ limit: String(limit) })
+  if (kind) p.set('kind', kind)
+  if (subject) p.set('subject', subject)
+  return call<AuditEntry[]>(c, `/admin/v1/audit?${p}`)
+}
 
 export type LiveEvent =
   | { kind: 'overview'; data: Overview }

@@ -1,3 +1,4 @@
+import type { BreakerState } from './bindings/BreakerState'
 import type { Decision } from './bindings/Decision'
 import type { ErrorClass } from './bindings/ErrorClass'
 import type { FailureClass } from './bindings/FailureClass'
@@ -7,6 +8,7 @@ import type { RequestState } from './bindings/RequestState'
 import type { RotationState } from './bindings/RotationState'
 import type { Severity } from './bindings/Severity'
 import type { StopReason } from './bindings/StopReason'
+import type { Trigger } from './bindings/Trigger'
 
 // Numbers with units, the way an operator reads them at 3 a.m.
 
@@ -16,6 +18,15 @@ export function ms(v: number | null | undefined): string {
   if (v < 1000) return `${Math.round(v)} ms`
   if (v < 60_000) return `${(v / 1000).toFixed(v < 10_000 ? 2 : 1)} s`
   return `${Math.floor(v / 60_000)} min ${Math.round((v % 60_000) / 1000)} s`
+}
+
+/** A span of time for states that last: `45 s`, `3 min 20 s`, `2 h 5 min`. */
+export function duration(v: number | null | undefined): string {
+  if (v === null || v === undefined || Number.isNaN(v)) return '—'
+  const s = Math.floor(v / 1000)
+  if (s < 60) return `${s} s`
+  if (s < 3600) return `${Math.floor(s / 60)} min${s % 60 ? ` ${s % 60} s` : ''}`
+  return `${Math.floor(s / 3600)} h${Math.floor((s % 3600) / 60) ? ` ${Math.floor((s % 3600) / 60)} min` : ''}`
 }
 
 export function rate(v: number | null | undefined): string {
@@ -190,4 +201,35 @@ const REJECT: Record<RejectReason, string> = {
 
 export function rejectReason(r: RejectReason): string {
   return REJECT[r]
+}
+
+/** The pill colour of a breaker. */
+export function breakerPill(s: BreakerState): string {
+  switch (s) {
+    case 'closed':
+      return 'pill ok'
+    case 'probation':
+      return 'pill warn'
+    case 'open':
+      return 'pill bad'
+  }
+}
+
+const TRIGGER: Record<Trigger, string> = {
+  server_errors: '5xx from the provider',
+  rate_limited: '429s for 3 min',
+  slow_wait: 'capacity wait over SLO',
+  cost: 'cost over budget',
+  cool_down_over: 'cool-down over',
+  probe_failed: 'probe failed',
+  probe_slow: 'probes too slow',
+  probe_duplicate: 'probe ran twice',
+  probation_passed: 'probation passed',
+  operator: 'operator',
+}
+
+/** A breaker transition's trigger (as the audit log stores it), in words. */
+export function trigger(t: string | null): string {
+  if (!t) return '—'
+  return t in TRIGGER ? TRIGGER[t as Trigger] : t
 }

@@ -1,13 +1,41 @@
 import { useEffect, useState } from 'react'
 import { ApiError, streamEvents, type Connection } from './api'
 import type { Overview } from './bindings/Overview'
+import type { BreakerState } from './bindings/BreakerState'
 import type { OperatorAlert } from './bindings/OperatorAlert'
+import type { RouteControlView } from './bindings/RouteControlView'
 
-export type LiveState = { overview: Overview | null; error: string | null; connected: boolean; alerts: OperatorAlert[] }
+/** One second of a route's control figures, kept in the browser for the route charts. */
+export type ControlPoint = { at: number; rps: number; amplification: number | null; postRetrySuccess: number | null; state: BreakerState }
+
+export type LiveState = {
+  overview: Overview | null
+  error: string | null
+  connected: boolean
+  alerts: OperatorAlert[]
+  /** Per route, the figures of each tick since the page opened (at most 15 min). */
+  history: Record<string, ControlPoint[]>
+}
+
+function withPoints(prev: Record<string, ControlPoint[]>, at: number, control: RouteControlView[]) {
+  const next: Record<string, ControlPoint[]> = {}
+  for (const v of control) {
+    const old = (prev[v.route] ?? []).filter((p) => p.at > at - 900_000 && p.at !== at)
+    old.push({
+      at,
+      rps: v.budget_requests / 10,
+      amplification: v.amplification.last_1m.amplification,
+      postRetrySuccess: v.amplification.last_1m.post_retry_success,
+      state: v.breaker.state,
+    })
+    next[v.route] = old
+  }
+  return next
+}
 
 /** The overview, kept current by the admin event stream; reconnects with backoff. */
 export function useLive(conn: Connection): LiveState {
-  const [state, setState] = useState<LiveState>({ overview: null, error: null, connected: false, alerts: [] })
+  const [state, setState] = useState<LiveState>({ overview: null, error: null, connected: false, alerts: [], history: {} })
 
   useEffect(() => {
     const abort = new AbortController()
@@ -21,7 +49,9 @@ export function useLive(conn: Connection): LiveState {
               delay = 500
               setState((prev) => {
                 if (e.kind === 'alert') return { ...prev, alerts: [e.data, ...prev.alerts].slice(0, 5) }
-                if (e.kind === 'overview') return { ...prev, overview: e.data, error: null, connected: true }
+                if (e.kind === 'overview') {
+                  return { ...prev, overview: e.data, error: null, connected: true, history: withPoints(prev.history, e.data.now, e.data.control) }
+                }
                 if (!prev.overview) return prev
                 const t = e.data
                 const series = prev.overview.series.filter((p) => p.at !== t.point.at && p.at > t.point.at - 900_000)
@@ -30,12 +60,14 @@ export function useLive(conn: Connection): LiveState {
                   ...prev,
                   connected: true,
                   error: null,
+                  history: withPoints(prev.history, t.now, t.control),
                   overview: {
                     ...prev.overview,
                     now: t.now,
                     headline: t.headline,
                     routes: t.routes,
                     channels: t.channels,
+                    control: t.control,
                     rejections: t.rejections,
                     ledger: t.ledger,
                     series,

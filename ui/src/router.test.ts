@@ -1,0 +1,19 @@
+import { describe, expect, it } from 'vitest'
+import { href, parse } from './router'
+
+describe('router', () => {
+  it('gives every view a URL that parses back to it', () => {
+    for (const r of [
+      { view: 'overview' as const },
+      { view: 'breakers' as const, route: null },
+      { view: 'breakers' as const, route: 'openai/gpt-4o-mini' },
+      { view: 'breakers' as const, route: 'gemini/models name?#%' },
+      { view: 'ledger' as const, id: null },
+      { view: 'ledger' as const, id: '0195f0a1-7c3e-7000-8000-000000000001' },
+    ]) {
+      expect(parse(href(r))).toEqual(r)
+    }
+    expect(href({ view: 'breakers', route: 'openai/gpt-4o-mini' })).toBe('/breakers/openai/gpt-4o-mini')
+    expect(parse('/nowhere')).toEqual({ view: 'overview' })
+  })
+})
