@@ -402,11 +402,13 @@ def test_e3_no_request_goes_where_the_reported_tokens_cannot_cover_it(gateway_fa
                              "limit_tokens": 10_000, "remaining_tokens": 300, "reset_tokens_s": 60})
     body = dict(BODIES["openai"], max_tokens=1000)
     small = dict(BODIES["openai"], max_tokens=10)
-    assert post(gw, "openai", gw.key, json=body).headers["x-spillway-channel"] == a
+    # Three separate conversations: a conversation stays where it was answered (D4).
+    conv = lambda n: {"x-spillway-conversation-id": f"e3-{n}"}
+    assert post(gw, "openai", gw.key, json=body, headers=conv(1)).headers["x-spillway-channel"] == a
     # A has 300 tokens left by its own account: a request that may need 1000 goes to B,
     # one that needs ~20 still fits A.
-    assert post(gw, "openai", gw.key, json=body).headers["x-spillway-channel"] == b
-    assert post(gw, "openai", gw.key, json=small).headers["x-spillway-channel"] == a
+    assert post(gw, "openai", gw.key, json=body, headers=conv(2)).headers["x-spillway-channel"] == b
+    assert post(gw, "openai", gw.key, json=small, headers=conv(3)).headers["x-spillway-channel"] == a
     assert gw.group_calls("openai") == [2, 1]
     view = {c["name"]: c for c in gw.admin("GET", "/admin/v1/overview")["channels"]}
     assert view[a]["health"]["remaining_tokens"] is not None and view[a]["health"]["remaining_tokens"] <= 300

@@ -159,7 +159,7 @@ test('the ledger search finds a request this test made', async () => {
   const p = await page()
   await p.goto(`${url}/#token=${adminToken}`)
   await p.getByTestId('tile-rps').waitFor()
-  await p.keyboard.press('2')
+  await p.keyboard.press('3')
   for (const needle of [id, clientId]) {
     await p.getByTestId('search').fill(needle)
     await p.getByTestId('search').press('Enter')
@@ -171,6 +171,13 @@ test('the ledger search finds a request this test made', async () => {
   assert.match(detail, new RegExp(id))
   assert.match(detail, /openai-sim/)
   assert.match(detail, new RegExp(clientId))
+  // The open request has a URL of its own: a reload (or a shared link) lands on it, and
+  // the back button closes it.
+  assert.equal(new URL(p.url()).pathname, `/ledger/${id}`)
+  await p.reload()
+  await until('the linked request', async () => new RegExp(id).test((await p.getByTestId('detail').textContent().catch(() => '')) ?? ''))
+  await p.goBack()
+  await until('the detail to close', async () => (await p.getByTestId('detail').count()) === 0)
   await p.getByTestId('search').fill('')
   await p.getByTestId('search').press('Enter')
   await p.waitForTimeout(500)
@@ -217,11 +224,19 @@ test('failover shows in the route table, the channel table and the request detai
   await p.screenshot({ path: join(SHOTS, 'overview-failover-browser.png'), fullPage: true })
   // The operator puts it back once the provider recovered.
   await setSim('gemini-sim', { latency_ms: 50 })
-  p.once('dialog', (d) => d.accept())
   await gemini.getByTestId('restore').click()
+  // Who and why are asked before anything changes.
+  const form = gemini.getByTestId('restore-form')
+  assert.equal(await form.getByTestId('restore-confirm').isDisabled(), true)
+  await form.getByPlaceholder('Your name').fill('e2e operator')
+  await form.getByPlaceholder('Reason (goes on the audit log)').fill('provider recovered')
+  await form.getByTestId('restore-confirm').click()
   await until('the channel to be ready', async () => /ready/.test(await gemini.getByTestId('channel-rotation').textContent()))
+  const audit = await (await fetch(`${url}/admin/v1/audit?kind=channel&subject=gemini-sim`, { headers: { Authorization: `Bearer ${adminToken}` } })).json()
+  assert.equal(audit[0].actor, 'e2e operator')
+  assert.match(audit[0].reason, /provider recovered/)
 
-  await p.keyboard.press('2')
+  await p.keyboard.press('3')
   await p.getByTestId('search').fill(failedOver)
   await p.getByTestId('search').press('Enter')
   await until('the failed-over request', async () => (await p.getByTestId('results').locator('tbody tr').count()) === 1)
@@ -232,5 +247,64 @@ test('failover shows in the route table, the channel table and the request detai
   assert.match(detail, /failed over to another channel/)
   assert.match(detail, /#2 on openai-sim-b: success/)
   await p.screenshot({ path: join(SHOTS, 'ledger-failover-browser.png') })
+  await p.context().close()
+})
+
+test('a breaker opens when the provider fails and closes after probation when it recovers', async () => {
+  // spec: G1, G2, G3, G4, D5
+  const route = 'anthropic/claude-haiku-4-5'
+  const ask = () => fetch(`${url}/v1/messages`, {
+    method: 'POST',
+    headers: { 'x-api-key': demoKey, 'content-type': 'application/json' },
+    body: JSON.stringify({ model: 'claude-haiku-4-5', max_tokens: 8, messages: [{ role: 'user', content: 'breaker test' }] }),
+  })
+  await setSim('anthropic-sim', { latency_ms: 50, fault: { kind: 'status', status: 503 } })
+  await setSim('anthropic-sim-b', { latency_ms: 50, fault: { kind: 'status', status: 503 } })
+  const p = await page()
+  await p.goto(`${url}/breakers/${route}#token=${adminToken}`)
+  const row = p.getByTestId(`breaker-${route}`)
+  // Demo traffic and these requests fail until the breaker opens.
+  await until('the breaker to open', async () => {
+    await ask()
+    return /open/.test((await row.getByTestId('breaker-state').textContent().catch(() => '')) ?? '')
+  }, 30_000)
+  const r = await ask()
+  assert.equal(r.status, 503)
+  assert.ok(Number(r.headers.get('retry-after')) >= 1)
+  assert.match((await r.json()).error.message, /circuit breaker/)
+  assert.match(await p.getByTestId('breaker-reason').textContent(), /of the last/)
+  await p.waitForTimeout(1200)
+  await p.screenshot({ path: join(SHOTS, 'breaker-open-browser.png'), fullPage: true })
+  await accessible(p, 'the breakers view')
+  // The provider recovers: after the cool-down, probes one at a time close it.
+  await setSim('anthropic-sim', { latency_ms: 50 })
+  await setSim('anthropic-sim-b', { latency_ms: 50 })
+  await until('the breaker to close', async () => {
+    await ask()
+    return /closed/.test((await row.getByTestId('breaker-state').textContent().catch(() => '')) ?? '')
+  }, 90_000)
+  await until('the history to list probation', async () => /probation → closed/.test((await p.getByTestId('breaker-history').textContent().catch(() => '')) ?? ''))
+  const history = await p.getByTestId('breaker-history').textContent()
+  assert.match(history, /closed → open/)
+  assert.match(history, /open → probation/)
+  assert.equal((await ask()).status, 200)
+
+  // An operator opens the Gemini route's breaker by hand, then closes it.
+  await p.goto(`${url}/breakers/gemini/gemini-2.5-flash`)
+  const form = p.getByTestId('breaker-form')
+  await form.waitFor()
+  await form.getByTestId('breaker-actor').fill('e2e operator')
+  assert.equal(await form.getByTestId('breaker-submit').isDisabled(), true, 'no reason, no action')
+  await form.getByTestId('breaker-reason-input').fill('drill: provider incident')
+  await form.getByTestId('breaker-submit').click()
+  await until('the manual open', async () => /open/.test((await p.getByTestId('breaker-gemini/gemini-2.5-flash').getByTestId('breaker-state').textContent()) ?? ''))
+  await until('the manual open on the record', async () => /e2e operator/.test((await p.getByTestId('breaker-history').textContent().catch(() => '')) ?? ''))
+  await p.screenshot({ path: join(SHOTS, 'breaker-manual-browser.png'), fullPage: true })
+  await form.getByTestId('breaker-reason-input').fill('drill over')
+  await form.getByTestId('breaker-submit').click()
+  await until('the manual close', async () => /closed/.test((await p.getByTestId('breaker-gemini/gemini-2.5-flash').getByTestId('breaker-state').textContent()) ?? ''))
+  // Back goes back to where the operator came from.
+  await p.goBack()
+  assert.match(new URL(p.url()).pathname, /\/breakers\/anthropic\//)
   await p.context().close()
 })

@@ -2,8 +2,8 @@
 // figures and when probation starts; probation shows its progress; the manual form asks
 // for who and why before it enables.
 import { QueryClient, QueryClientProvider } from '@tanstack/react-query'
-import { render, screen, within } from '@testing-library/react'
-import { describe, expect, it, vi } from 'vitest'
+import { cleanup, render, screen, within } from '@testing-library/react'
+import { afterEach, describe, expect, it, vi } from 'vitest'
 import type { Overview } from './bindings/Overview'
 import type { RouteControlView } from './bindings/RouteControlView'
 import { BreakersView } from './Breakers'
@@ -25,8 +25,9 @@ function route(name: string, breaker: Partial<RouteControlView['breaker']>): Rou
 
 const overview = {
   control: [
-    route('openai/gpt-4o-mini', { state: 'open', trigger: 'server_errors', reason: '27 of the last 50 attempts failed (5xx, timeout or unreachable); first probe in 30 s', probe_in_ms: 12_000 }),
+    route('openai/gpt-4o-mini', { state: 'open', trigger: 'server_errors', reason: '27 of the last 50 attempts failed (5xx, timeout or unreachable)', probe_in_ms: 12_000 }),
     route('anthropic/claude', { state: 'probation', probes_passed: 2, probes_sent: 3, probe_in_flight: true }),
+    route('gemini/flash', {}),
   ],
 } as unknown as Overview
 
@@ -42,6 +43,8 @@ function show(selected: string | null) {
   )
 }
 
+afterEach(cleanup)
+
 describe('BreakersView', () => {
   it('lists each route with its state, why, and its figures', () => {
     // spec: G4, F5
@@ -54,13 +57,21 @@ describe('BreakersView', () => {
     expect(screen.getByTestId('breaker-anthropic/claude').textContent).toContain('probation: 2 of 5 probes passed, one running')
   })
 
-  it('shows a route’s triggers against their thresholds and asks who and why', () => {
-    // spec: G1, G4
-    show('openai/gpt-4o-mini')
+  it('shows a closed route’s triggers against their thresholds', () => {
+    // spec: G1
+    show('gemini/flash')
     const figures = screen.getByTestId('breaker-figures').textContent ?? ''
+    expect(figures).toContain('3 of the last 50 attempts')
     expect(figures).toContain('opens at 25 of 50')
     expect(figures).toContain('no SLO configured')
     expect(figures).toContain('dormant: no budget configured')
+    expect((screen.getByTestId('breaker-submit') as HTMLButtonElement).textContent).toBe('Open breaker')
+  })
+
+  it('asks who and why before closing an open breaker by hand', () => {
+    // spec: G4
+    show('openai/gpt-4o-mini')
+    expect(screen.getByTestId('breaker-figures').textContent).toContain('watched again once the breaker closes')
     const submit = screen.getByTestId('breaker-submit') as HTMLButtonElement
     expect(submit.textContent).toBe('Close breaker')
     expect(submit.disabled).toBe(true)

@@ -97,7 +97,13 @@ function RouteDetail({ conn, r, points }: { conn: Connection; r: RouteControlVie
       amp: [t, points.map((p) => p.amplification), points.map((p) => (p.postRetrySuccess === null ? null : p.postRetrySuccess * 100))],
     }
   }, [points])
-  const figures: [string, string, string][] = [
+  // The windows start again when the breaker opens; while it is not closed they say nothing.
+  const watching = b.state === 'closed'
+  const figures: [string, string, string][] = !watching ? [
+    ['Triggers', '—', 'watched again once the breaker closes'],
+    ['Normal latency', ms(b.normal_latency_ms), 'probes must stay within 1.5 ×'],
+    ['Cost, last hour', '—', r.cost_trigger],
+  ] : [
     ['5xx, timeouts, unreachable', `${b.recent_failures} of the last ${b.recent_attempts} attempts`, `opens at ${b.failures_to_open} of 50`],
     ['429 run', b.rate_limited_for_ms === null ? 'none' : duration(b.rate_limited_for_ms), `opens at ${duration(b.rate_limit_run_ms)}`],
     ['P95 capacity wait', ms(b.wait_p95_ms), b.wait_slo_ms === null ? 'no SLO configured (control.wait_slo_ms)' : `opens above 80 % of ${ms(b.wait_slo_ms)}`],
@@ -126,7 +132,7 @@ function RouteDetail({ conn, r, points }: { conn: Connection; r: RouteControlVie
       <div className="charts">
         <Chart title={`Requests, ${r.route}`} data={charts.rate} series={[{ label: 'requests', color: '#3b82f6', unit: '/s' }]} />
         <Chart title="Amplification (1 min) and post-retry success" data={charts.amp}
-          series={[{ label: 'attempts ÷ requests', color: '#f59e0b', unit: '' }, { label: 'post-retry success %', color: '#10b981', unit: '' }]} />
+          series={[{ label: 'attempts ÷ requests', color: '#f59e0b', unit: '×' }, { label: 'post-retry success', color: '#10b981', unit: '%' }]} />
       </div>
       <h3>Transitions</h3>
       {audit.error && <p role="alert" className="error">{(audit.error as Error).message}</p>}

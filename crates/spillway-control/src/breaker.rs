@@ -283,10 +283,10 @@ impl Breaker {
         }
     }
 
-    fn open(&mut self, trigger: Trigger, reason: String, figures: Vec<Figure>, now: Instant) -> Transition {
+    fn open(&mut self, trigger: Trigger, reason: String, mut figures: Vec<Figure>, now: Instant) -> Transition {
         self.clear_windows();
         let cool = self.cool_down();
-        let reason = format!("{reason}; first probe in {}", secs(cool));
+        figures.push(fig("cool_down_s", cool.as_secs_f64()));
         self.go(
             State::Open {
                 probe_at: Some(now + cool),

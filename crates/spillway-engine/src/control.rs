@@ -261,8 +261,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn breaker_config(st: &AppState, route: &str) -> BreakerConfig {
+    let c = &st.config.control;
+    let cool = Duration::from_millis(c.breaker_cool_down_ms);
     BreakerConfig {
-        wait_slo: st.config.control.wait_slo_ms(route).map(Duration::from_millis),
+        wait_slo: c.wait_slo_ms(route).map(Duration::from_millis),
+        cool_down: cool,
+        max_cool_down: cool.saturating_mul(20),
         ..Default::default()
     }
 }

@@ -50,6 +50,7 @@ struct Inner {
     room_at: Instant,
     /// D4, D5: latency, errors and ejections.
     outlier: Outlier,
+    outlier_cfg: OutlierConfig,
 }
 
 /// The health of one channel.
@@ -60,12 +61,20 @@ pub struct Health {
 
 impl Default for Health {
     fn default() -> Self {
+        Health::new(OutlierConfig::default())
+    }
+}
+
+impl Health {
+    /// A channel in rotation, ejected by `outlier`'s rules when it keeps failing.
+    pub fn new(outlier: OutlierConfig) -> Health {
         Health {
             inner: Mutex::new(Inner {
                 rotation: Rotation::Ready,
                 room: RateLimitState::default(),
                 room_at: Instant::now(),
-                outlier: Outlier::new(OutlierConfig::default(), Instant::now()),
+                outlier: Outlier::new(outlier.clone(), Instant::now()),
+                outlier_cfg: outlier,
             }),
         }
     }
@@ -278,7 +287,7 @@ impl Health {
     }
 
     pub fn restore_outlier(&self, s: &OutlierSnapshot, elapsed: Duration, now: Instant) {
-        self.with(|i| i.outlier = Outlier::restore(OutlierConfig::default(), s, elapsed, now));
+        self.with(|i| i.outlier = Outlier::restore(i.outlier_cfg.clone(), s, elapsed, now));
     }
 
     pub fn rotation(&self) -> Rotation {

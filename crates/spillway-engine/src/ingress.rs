@@ -7,7 +7,7 @@
 //! ledger row, one without is only counted.
 
 use crate::clock;
-use crate::control::Admit;
+use crate::control::{Admit, Outcome};
 use crate::error::GatewayError;
 use crate::failover::{self, Caller, Ctx};
 use crate::life::{End, Life};
@@ -431,6 +431,18 @@ async fn handle<C: Caller>(
                 GatewayError::CapacityBusy { .. } | GatewayError::CapacityQueueFull { .. }
             ) {
                 route.on_wait(&st, wait_from.elapsed());
+            }
+            // G1: every channel cooling down after failures is the route failing, though no
+            // attempt was made: it counts as one (a probe finding no channel is given back,
+            // to try again when one returns).
+            if matches!(e, GatewayError::ChannelsCoolingDown { .. }) {
+                let mut probe = probe;
+                let outcome = if probe.is_some() {
+                    Outcome::Neutral
+                } else {
+                    Outcome::ProviderFailure
+                };
+                route.on_attempt(&st, outcome, Duration::ZERO, probe.as_mut());
             }
             return life.close(End::refused(e)).await;
         }

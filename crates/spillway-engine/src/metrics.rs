@@ -533,7 +533,12 @@ mod tests {
             m.finished(&r, None, false, UnixMs((base + t) * 1000));
         }
         // The first second left the live window: its quantiles stay, its histogram went.
-        let first = m.with(|i| (i.seconds[0].latency.is_none(), i.seconds.iter().filter(|s| s.latency.is_some()).count()));
+        let first = m.with(|i| {
+            (
+                i.seconds[0].latency.is_none(),
+                i.seconds.iter().filter(|s| s.latency.is_some()).count(),
+            )
+        });
         assert_eq!(first, (true, LIVE_SECONDS));
         let s = m.series(base, base);
         assert_eq!((s[0].p50_ms, s[0].p95_ms), (Some(p50), Some(p95)));

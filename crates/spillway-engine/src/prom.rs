@@ -82,17 +82,17 @@ impl Prom {
                     ("route", format!("{}/{}", f.provider, f.model)),
                     ("owner", f.owner.clone()),
                 ];
-                counter("spillway_requests", &l, f.requests);
-                counter("spillway_requests_succeeded", &l, f.succeeded);
-                counter("spillway_requests_failed", &l, f.failed);
-                counter("spillway_attempts", &l, f.attempts);
+                counter("spillway_requests_total", &l, f.requests);
+                counter("spillway_requests_succeeded_total", &l, f.succeeded);
+                counter("spillway_requests_failed_total", &l, f.failed);
+                counter("spillway_attempts_total", &l, f.attempts);
                 gauge("spillway_requests_in_flight", &l, f.in_flight as f64);
                 gauge("spillway_requests_queued", &l, f.queued as f64);
                 gauge("spillway_cost_usd", &l, f.cost_usd);
-                counter("spillway_requests_cost_unknown", &l, f.cost_unknown);
+                counter("spillway_requests_cost_unknown_total", &l, f.cost_unknown);
                 for (class, n) in &f.errors_by_class {
                     let l = [l[0].clone(), l[1].clone(), ("class", class.as_str().to_owned())];
-                    counter("spillway_attempt_failures", &l, *n);
+                    counter("spillway_attempt_failures_total", &l, *n);
                 }
             }
             for v in st.control.views(st) {

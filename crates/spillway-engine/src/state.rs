@@ -51,11 +51,22 @@ pub struct ChannelRt {
 
 impl ChannelRt {
     pub fn new(cfg: Channel) -> ChannelRt {
+        Self::with_control(cfg, &Default::default())
+    }
+
+    /// A channel whose ejections follow the config's control settings (D5).
+    pub fn with_control(cfg: Channel, control: &spillway_policy::ControlSettings) -> ChannelRt {
+        let cool = Duration::from_millis(control.ejection_cool_down_ms);
+        let outlier = spillway_control::OutlierConfig {
+            base_ejection: cool,
+            max_ejection: cool.saturating_mul(20),
+            ..Default::default()
+        };
         ChannelRt {
             name: Arc::from(cfg.name.as_str()),
             permits: Arc::new(Semaphore::new(cfg.max_concurrency as usize)),
             cfg,
-            health: Default::default(),
+            health: crate::health::Health::new(outlier),
         }
     }
 
@@ -174,7 +185,7 @@ impl AppState {
         let channels = config
             .channels
             .iter()
-            .map(|c| Arc::new(ChannelRt::new(c.clone())))
+            .map(|c| Arc::new(ChannelRt::with_control(c.clone(), &config.control)))
             .collect();
         let keys = config
             .keys

@@ -94,6 +94,10 @@ struct RawControl {
     wait_slo_ms: Option<S<u64>>,
     #[serde(default)]
     route_wait_slo_ms: Option<S<std::collections::BTreeMap<String, u64>>>,
+    #[serde(default)]
+    breaker_cool_down_ms: Option<S<u64>>,
+    #[serde(default)]
+    ejection_cool_down_ms: Option<S<u64>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -239,6 +243,11 @@ pub struct ControlSettings {
     pub wait_slo_ms: Option<u64>,
     /// G1: per-route SLOs, keyed `format/model` (`openai/gpt-4o-mini`).
     pub route_wait_slo_ms: std::collections::BTreeMap<String, u64>,
+    /// G3: time open before the first probation; doubled by each failed probation.
+    pub breaker_cool_down_ms: u64,
+    /// D5: a channel's first cool-down after repeated failures; doubled by each ejection
+    /// in a row.
+    pub ejection_cool_down_ms: u64,
 }
 
 impl Default for ControlSettings {
@@ -248,6 +257,8 @@ impl Default for ControlSettings {
             retry_budget_min: 3,
             wait_slo_ms: None,
             route_wait_slo_ms: Default::default(),
+            breaker_cool_down_ms: 30_000,
+            ejection_cool_down_ms: 30_000,
         }
     }
 }
@@ -1055,6 +1066,18 @@ impl RawConfig {
             control.retry_budget_ratio =
                 f64::from(cx.bounded(&c.retry_budget_percent, "control.retry_budget_percent", 0..=100, 20)) / 100.0;
             control.retry_budget_min = cx.bounded(&c.retry_budget_min, "control.retry_budget_min", 0..=10_000, 3);
+            control.breaker_cool_down_ms = cx.bounded(
+                &c.breaker_cool_down_ms,
+                "control.breaker_cool_down_ms",
+                100..=3_600_000,
+                30_000,
+            );
+            control.ejection_cool_down_ms = cx.bounded(
+                &c.ejection_cool_down_ms,
+                "control.ejection_cool_down_ms",
+                100..=3_600_000,
+                30_000,
+            );
             control.wait_slo_ms = c
                 .wait_slo_ms
                 .as_ref()
