@@ -72,6 +72,10 @@ struct Args {
     /// Request rate of the failover scenario.
     #[arg(long, default_value_t = 1000)]
     failover_rate: u64,
+    /// Request rate of the dead-channel scenario: one channel answering 500 to every call
+    /// beside a healthy one (0 skips it).
+    #[arg(long, default_value_t = 500)]
+    dead_channel_rate: u64,
 }
 
 #[derive(Serialize)]
@@ -682,6 +686,7 @@ struct Report {
     closed_loop: ClosedLoop,
     slow_streams: Option<SlowStreams>,
     failover: Option<FailoverRun>,
+    dead_channel: Option<DeadChannelRun>,
     commit_cost: Vec<CommitCost>,
     ledger_rows: u64,
     ledger_search: Vec<SearchTiming>,
@@ -706,6 +711,25 @@ struct FailoverRun {
     faulty: Percentiles,
     /// Calls the two faulty channels received ÷ requests sent (warm-up included).
     upstream_calls_per_request: f64,
+}
+
+/// One channel dead (500 to every call) beside a healthy one serving the same model, in
+/// one tier (D5): how much traffic still reaches the dead one once it is ejected, and
+/// what it costs in attempts.
+#[derive(Serialize)]
+struct DeadChannelRun {
+    rate_rps: u64,
+    seconds: u64,
+    /// The first second (`rate` requests), in which the channel is found dead and ejected.
+    warmup_dead_calls: u64,
+    warmup_requests: u64,
+    /// The measured seconds after it.
+    requests: u64,
+    dead_calls: u64,
+    healthy_calls: u64,
+    /// (dead + healthy calls) ÷ requests over the measured seconds.
+    amplification: f64,
+    run: Percentiles,
 }
 
 fn us(v: u64) -> String {
@@ -866,12 +890,15 @@ async fn main() -> Result<()> {
     std::fs::write(
         &config,
         format!(
-            "listen: 127.0.0.1:0\nledger: sqlite://{}\nserver: {{max_connections: 8192}}\nchannels:\n{}{}{}{}keys:\n  - name: bench\n    owner: bench\n    secret_env: BENCH_KEY\nowners:\n  - name: bench\n    balance_usd: 1000000\n",
+            "listen: 127.0.0.1:0\nledger: sqlite://{}\nserver: {{max_connections: 8192}}\nchannels:\n{}{}{}{}{}{}keys:\n  - name: bench\n    owner: bench\n    secret_env: BENCH_KEY\nowners:\n  - name: bench\n    balance_usd: 1000000\n",
             dir.path().join("ledger.db").display(),
             channel("bench", "gpt-4o-mini"),
             channel("slow", "bench-slow"),
             channel("fo-a", "bench-failover"),
             channel("fo-b", "bench-failover"),
+            // One tier, equal weights: health alone keeps traffic off the dead one (D5).
+            channel("dd-dead", "bench-dead"),
+            channel("dd-ok", "bench-dead"),
         ),
     )?;
     let (gw, gw_url) = spawn(
@@ -1019,6 +1046,38 @@ async fn main() -> Result<()> {
     } else {
         None
     };
+    let dead_channel = if args.dead_channel_rate > 0 {
+        let rate = args.dead_channel_rate;
+        eprintln!("measuring a dead channel beside a healthy one at {rate} req/s ...");
+        let via = spillway.url("");
+        let payload = body_for("bench-dead", false);
+        let dead = serde_json::json!({"fault": {"kind": "status", "status": 500}});
+        sim_control(&client, &format!("{sim_url}/_control/channels/dd-dead"), Some(&dead)).await?;
+        let calls = async |client: &HttpClient, ch: &str| -> Result<u64> {
+            let v = sim_control(client, &format!("{sim_url}/_control/channels/{ch}"), None).await?;
+            Ok(v["stats"]["calls"].as_u64().unwrap_or(0))
+        };
+        // Single-turn requests: each a new conversation, spread by weight and health (D4).
+        let _ = fixed_rate_with(&client, &via, key, payload.clone(), false, rate, 0).await;
+        let (d0, h0) = (calls(&client, "dd-dead").await?, calls(&client, "dd-ok").await?);
+        let run = fixed_rate_with(&client, &via, key, payload, false, rate, secs).await;
+        let (d1, h1) = (calls(&client, "dd-dead").await?, calls(&client, "dd-ok").await?);
+        // Every request sent, the generator's own warm-up second included.
+        let requests = rate * (secs + 1);
+        Some(DeadChannelRun {
+            rate_rps: rate,
+            seconds: secs + 1,
+            warmup_dead_calls: d0,
+            warmup_requests: rate,
+            requests,
+            dead_calls: d1 - d0,
+            healthy_calls: h1 - h0,
+            amplification: (d1 - d0 + h1 - h0) as f64 / requests.max(1) as f64,
+            run,
+        })
+    } else {
+        None
+    };
     tokio::time::sleep(Duration::from_secs(1)).await;
     let idle = IdleRss {
         forwarder: idle_fwd,
@@ -1128,6 +1187,26 @@ async fn main() -> Result<()> {
         println!(
             "upstream calls per logical request (simulator's count): {:.3}",
             f.upstream_calls_per_request
+        );
+    }
+    if let Some(d) = &dead_channel {
+        println!(
+            "\ndead channel: {} req/s, one of two channels answers 500 to every call\n",
+            d.rate_rps
+        );
+        println!(
+            "first second: {} calls reached the dead channel ({} requests), then it was ejected",
+            d.warmup_dead_calls, d.warmup_requests
+        );
+        println!(
+            "next {} s: {} requests, {} calls to the dead channel, {} to the healthy one; amplification {:.3}; failed {}; p99 {}",
+            d.seconds,
+            d.requests,
+            d.dead_calls,
+            d.healthy_calls,
+            d.amplification,
+            d.run.failed,
+            us(d.run.p99_us)
         );
     }
     println!("\ndurable commit of one request row (what every request waits for before its upstream call)\n");
@@ -1302,6 +1381,7 @@ async fn main() -> Result<()> {
         closed_loop,
         slow_streams: slow,
         failover,
+        dead_channel,
         commit_cost: commits,
         ledger_rows: args.ledger_rows,
         ledger_search: searches,

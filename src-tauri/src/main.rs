@@ -1,6 +1,6 @@
 //! The desktop shell: starts the engine in-process (the start-up path of `spillway serve`,
 //! from spillway-cli's library), opens the console window already connected, and keeps a tray icon
-//! whose tooltip says how the gateway is doing. The window loads the engine's own console
+//! whose colour and tooltip say how the gateway is doing. The window loads the engine's own console
 //! over loopback, so the browser build and the desktop build are one UI; the web view is
 //! granted no IPC at all (capabilities/main.json).
 
@@ -39,18 +39,6 @@ async fn start_engine() -> Result<Launched> {
     .await?)
 }
 
-fn health_text(state: &spillway_engine::AppState) -> String {
-    let h = state.metrics.headline(spillway_engine::clock::now().0.div_euclid(1000));
-    let errors = h
-        .error_rate
-        .map(|r| format!("{:.1} % errors", r * 100.0))
-        .unwrap_or_else(|| "no traffic yet".into());
-    format!(
-        "Spillway — {:.1} req/s, {errors}, {} in flight",
-        h.requests_per_s, h.in_flight
-    )
-}
-
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -80,8 +68,9 @@ fn main() -> Result<()> {
                 signals.next().await;
                 abort_signal.notify_one();
             });
-            // Operator alerts (a rejected channel credential today, breaker openings next)
-            // become native notifications; without a notification service they are logged.
+            // Operator alerts (a refused channel credential, a breaker opening or closing, a
+            // channel leaving rotation) become native notifications; without a notification
+            // service they are logged.
             let handle = app.handle().clone();
             let mut alerts = alerts;
             rt_handle.spawn(async move {
@@ -103,32 +92,50 @@ fn main() -> Result<()> {
                 .title("Spillway")
                 .inner_size(1400.0, 900.0)
                 .build()?;
-            let icon = app.default_window_icon().cloned();
+            // Owned, so the tray thread can redraw it for as long as the app runs.
+            let icon = app
+                .default_window_icon()
+                .map(|i| (i.rgba().to_vec(), i.width(), i.height()));
             // Quit goes through the same shutdown as closing the window (RunEvent::Exit).
             let quit = tauri::menu::MenuItem::with_id(app, "quit", "Quit Spillway", true, None::<&str>)?;
             let menu = tauri::menu::Menu::with_items(app, &[&quit])?;
+            let (level, text) = spillway_cli::status::status(&state);
             let mut tray = TrayIconBuilder::with_id("health")
-                .tooltip(health_text(&state))
+                .tooltip(text)
                 .menu(&menu)
                 .on_menu_event(|app, event| {
                     if event.id() == "quit" {
                         app.exit(0);
                     }
                 });
-            if let Some(icon) = icon {
-                tray = tray.icon(icon);
+            // G4: the icon carries a dot of the gateway's colour: red while a breaker is
+            // open (or the ledger refuses writes), amber while one is on probation or a
+            // channel is out of rotation, green otherwise.
+            let badged = move |level| {
+                icon.as_ref().map(|(rgba, w, h)| {
+                    tauri::image::Image::new_owned(spillway_cli::status::badge(rgba, *w, *h, level), *w, *h)
+                })
+            };
+            if let Some(i) = badged(level) {
+                tray = tray.icon(i);
             }
             let tray = tray.build(app)?;
             let handle = app.handle().clone();
             let st = state.clone();
             std::thread::spawn(move || {
+                let mut shown = level;
                 loop {
-                    std::thread::sleep(Duration::from_secs(2));
-                    let text = health_text(&st);
+                    std::thread::sleep(Duration::from_secs(1));
+                    let (level, text) = spillway_cli::status::status(&st);
+                    let icon = (level != shown).then(|| badged(level)).flatten();
+                    shown = level;
                     let tray = tray.clone();
                     if handle
                         .run_on_main_thread(move || {
                             let _ = tray.set_tooltip(Some(&text));
+                            if let Some(i) = icon {
+                                let _ = tray.set_icon(Some(i));
+                            }
                         })
                         .is_err()
                     {

@@ -6,5 +6,6 @@
 
 pub mod launch;
 pub mod signals;
+pub mod status;
 
 pub use launch::{Launch, LaunchError, Launched};

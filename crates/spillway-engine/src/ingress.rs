@@ -388,14 +388,18 @@ async fn handle<C: Caller>(
     life.set_route();
 
     // D4: a conversation stays on its channel; the client may name it, else its opening
-    // messages do.
-    let conversation = header_str(&parts.headers, CONVERSATION_HEADER).map_or(parsed.conversation, |c| {
+    // messages do. A first turn is a new conversation, spread by weight and health (many
+    // identical one-shot prompts must not all land on one channel); later turns follow it.
+    let named = header_str(&parts.headers, CONVERSATION_HEADER);
+    let conversation = named.map_or(parsed.conversation, |c| {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
         c.hash(&mut h);
         h.finish()
     });
-    let pinned = st.control.pinned(conversation);
+    let pinned = (named.is_some() || parsed.continuation)
+        .then(|| st.control.pinned(conversation))
+        .flatten();
     let candidates = routing::candidates(&st, format, &parsed.model, pinned.as_deref());
     if candidates.is_empty() {
         return life.close(End::refused(GatewayError::NoChannel { format })).await;

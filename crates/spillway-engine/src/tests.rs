@@ -248,6 +248,7 @@ fn parsed(model: &str) -> ParsedRequest {
         max_output_tokens: None,
         estimated_input_tokens: 1,
         conversation: 7,
+        continuation: false,
     }
 }
 

@@ -1463,6 +1463,8 @@ owners:
         };
         let c = Config::parse(Path::new("example.yaml"), example, &env, &|| unreachable!()).unwrap();
         assert!(!c.channels.is_empty() && !c.keys.is_empty());
+        // The example states every default it lists.
+        assert_eq!(c.control, ControlSettings::default());
     }
 
     #[test]

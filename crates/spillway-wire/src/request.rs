@@ -21,12 +21,17 @@ pub struct ParsedRequest {
     /// first user turn), the same on every later turn of the conversation; routing keeps
     /// a conversation on its channel by it.
     pub conversation: u64,
+    /// The request carries turns after its opening (an answer and a further question):
+    /// it continues a conversation rather than starting one.
+    pub continuation: bool,
 }
 
 /// A message list: how many there are, and a hash of the opening ones.
 struct Messages {
     len: usize,
     opening: u64,
+    /// Messages after the opening.
+    more: bool,
 }
 
 /// Just a message's role, read from its raw JSON.
@@ -60,12 +65,14 @@ impl<'de> Deserialize<'de> for Messages {
                     let role = serde_json::from_str::<Role>(m.get()).ok().and_then(|r| r.role);
                     open = len < 4 && !matches!(role.as_deref(), Some("user") | None);
                 }
+                let opened = len;
                 while seq.next_element::<IgnoredAny>()?.is_some() {
                     len += 1;
                 }
                 Ok(Messages {
                     len,
                     opening: h.finish(),
+                    more: len > opened,
                 })
             }
         }
@@ -283,6 +290,7 @@ pub fn parse_request(
                 max_output_tokens: r.max_completion_tokens.or(r.max_tokens),
                 estimated_input_tokens,
                 conversation: r.messages.opening,
+                continuation: r.messages.more,
             }
         }
         Format::Anthropic => {
@@ -298,6 +306,7 @@ pub fn parse_request(
                 max_output_tokens: Some(r.max_tokens),
                 estimated_input_tokens,
                 conversation: r.messages.opening,
+                continuation: r.messages.more,
             }
         }
         Format::Gemini => {
@@ -310,6 +319,7 @@ pub fn parse_request(
                 max_output_tokens: r.generation_config.and_then(|g| g.max_output_tokens),
                 estimated_input_tokens,
                 conversation: r.contents.opening,
+                continuation: r.contents.more,
             }
         }
     };
@@ -338,6 +348,15 @@ mod tests {
         let turn1 = format!(r#"{{"model":"m","messages":[{sys},{u1}]}}"#);
         let turn2 = format!(r#"{{"model":"m","messages":[{sys},{u1},{a1},{u2}]}}"#);
         assert_eq!(conv(Format::OpenAi, &turn1), conv(Format::OpenAi, &turn2));
+        let cont = |body: &str| {
+            parse_request(Format::OpenAi, None, false, body.as_bytes())
+                .unwrap()
+                .continuation
+        };
+        assert!(
+            !cont(&turn1) && cont(&turn2),
+            "only a later turn continues a conversation"
+        );
         // Another conversation of the same application (same system prompt) differs.
         let other = format!(r#"{{"model":"m","messages":[{sys},{u2}]}}"#);
         assert_ne!(conv(Format::OpenAi, &turn1), conv(Format::OpenAi, &other));
