@@ -160,7 +160,8 @@ class Gateway:
         return http_json(method, self.url + path, body, {"authorization": f"Bearer {self.admin_token}"})
 
 
-def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml="", args=(), group=1, max_concurrency=8, key_yaml=""):
+def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml="", args=(), group=1, max_concurrency=8, key_yaml="",
+                  env=None):
     """A gateway with `group` channels per format (named `{prefix}-{fmt}`, `-2`, `-3`, …).
     Earlier channels of a group get a higher priority, so they are always tried first."""
     prefix = "t" + secrets.token_hex(4)
@@ -179,7 +180,7 @@ def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml="", args=(), group=
     cfg.write_text("\n".join(l for l in lines if l) + "\n")
     proc = subprocess.Popen([str(BIN), "serve", "--config", str(cfg), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=clean_env(SPILLWAY_TEST_KEY=key, UPSTREAM_KEY="sk-upstream-" + prefix,
-                                          SPILLWAY_DATA_DIR=str(tmp_path / "data")))
+                                          SPILLWAY_DATA_DIR=str(tmp_path / "data"), **(env or {})))
     line = read_line(proc, "spillway listening on ")
     gw = Gateway(proc, line.split()[-1], key, tmp_path / "ledger.db", channels, sim, groups)
     gw.admin_token = (tmp_path / "data" / "admin-token").read_text().strip()

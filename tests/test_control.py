@@ -3,7 +3,10 @@ upstream stops receiving traffic, a flaky one is retried within budget, breakers
 fail fast, close after probation and survive a restart, and /metrics is Prometheus text.
 Every figure is counted on the simulator's side as well as the gateway's."""
 
+import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -163,3 +166,43 @@ def test_n4_metrics_parse_as_prometheus_text(gateway):
     for (name, labels), _ in samples.items():
         for k, _v in labels:
             assert k in {"route", "owner", "channel", "class", "state", "window", "le"}, (name, k)
+
+
+def test_n1_otel_each_request_is_a_span_with_a_child_per_attempt(tmp_path, sim):
+    # spec: N1, A6
+    received = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+            received.append((self.path, json.loads(body or b"{}")))
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        gw = start_gateway(tmp_path, sim, group=2, env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+        a, _b = gw.groups["openai"]
+        gw.sim.set(a, script=[{"fault": status(500), "times": 1}])
+        r = post(gw, "openai", gw.key, json=BODIES["openai"],
+                 headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+        assert r.status_code == 200
+        stop(gw.proc)  # the exporter sends what is left on the way out
+        spans = [s for path, body in received if path == "/v1/traces"
+                 for rs in body.get("resourceSpans", []) for ss in rs.get("scopeSpans", []) for s in ss.get("spans", [])]
+        req = next(s for s in spans if s.get("parentSpanId") == "b7ad6b7169203331")
+        assert req["traceId"] == "0af7651916cd43dd8448eb211c80319c"
+        kids = sorted(s["name"] for s in spans if s.get("parentSpanId") == req["spanId"])
+        assert kids == [f"attempt 1 on {a}", f"attempt 2 on {_b}"]
+        # The span the upstream saw as its parent is the request's span.
+        assert req["spanId"] in gw.sim.stats(_b)["last_headers"].get("traceparent", "")
+    finally:
+        server.shutdown()

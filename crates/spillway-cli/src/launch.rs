@@ -25,6 +25,9 @@ pub enum LaunchError {
     Engine(#[from] spillway_engine::Error),
     #[error(transparent)]
     Sim(#[from] spillway_sim::Error),
+    /// `OTEL_EXPORTER_OTLP_*` is set but unusable (a bad endpoint, gRPC).
+    #[error("{0} (check OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL)")]
+    Otel(#[from] spillway_engine::otel::OtelError),
 }
 
 /// The console's built files (`ui/dist`), compiled in.
@@ -161,6 +164,7 @@ pub async fn launch(l: Launch) -> Result<Launched, LaunchError> {
             listen: l.listen,
             admin_token: Some(token.clone()),
             console,
+            otel: spillway_engine::otel::Otel::from_env()?.map(Arc::new),
             ..Options::default()
         },
     )

@@ -341,6 +341,7 @@ async fn handle<C: Caller>(
     rec.key_name = Some(key.key.name.clone());
     rec.owner = Some(key.key.owner.clone());
     let mut life = Life::new(st.clone(), rec, conn);
+    life.set_trace(&trace);
 
     // Cheap refusals first: nothing of the body has been read yet.
     if !is_json(&parts.headers) {

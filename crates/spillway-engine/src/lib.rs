@@ -21,6 +21,7 @@ pub mod ingress;
 pub mod life;
 pub mod limits;
 pub mod metrics;
+pub mod otel;
 pub mod prom;
 pub mod retry;
 pub mod routing;
@@ -133,6 +134,10 @@ impl Running {
         }
         let mut done = self.server_done.clone();
         let _ = tokio::time::timeout(Duration::from_secs(1), done.wait_for(|d| *d)).await;
+        if let Some(o) = st.otel.clone() {
+            // The SDK's shutdown blocks while it exports what is left.
+            let _ = tokio::task::spawn_blocking(move || o.shutdown()).await;
+        }
         // Closing twice is harmless: a second finish returns once the first has flushed.
         Ok(st.ledger.close(Duration::from_secs(5)).await?)
     }
@@ -151,6 +156,8 @@ pub struct Options {
     pub admin_token: Option<admin::AdminToken>,
     /// The console served at `/`.
     pub console: Console,
+    /// Where traces go (OpenTelemetry), when anywhere.
+    pub otel: Option<Arc<otel::Otel>>,
 }
 
 /// Opens the ledger and starts serving `config` with the real upstream.
@@ -173,6 +180,7 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
     let mut state = AppState::new(config, ledger)?;
     state.admin_token = opts.admin_token;
     state.console = opts.console;
+    state.otel = opts.otel;
     let state = Arc::new(state);
     // G4, D5: open breakers and ejections outlive a restart.
     let restored = state.control.restore(&state).await?;

@@ -106,6 +106,8 @@ pub struct Life {
     closed: bool,
     /// The route's control (F5's figures), once the route is known.
     control: Option<Arc<crate::control::RouteControl>>,
+    /// With trace export on: the request's trace, and its attempts as they end.
+    trace: Option<(crate::trace::TraceContext, Vec<AttemptRecord>)>,
 }
 
 impl Life {
@@ -122,6 +124,7 @@ impl Life {
             settling: None,
             closed: false,
             control: None,
+            trace: None,
         }
     }
 
@@ -132,6 +135,21 @@ impl Life {
     /// The model is known: the request belongs to its route from here on.
     pub fn set_route(&mut self) {
         self.route = RouteKey::of(&self.rec);
+    }
+
+    /// With trace export on, the request's span is exported when it closes.
+    pub fn set_trace(&mut self, t: &crate::trace::TraceContext) {
+        if self.st.otel.is_some() {
+            self.trace = Some((t.clone(), Vec::new()));
+        }
+    }
+
+    /// An attempt ended: kept for the request's trace, when there is one.
+    fn traced(&mut self, att: &AttemptRecord) {
+        if let Some((_, v)) = &mut self.trace {
+            v.retain(|a| a.attempt_no != att.attempt_no);
+            v.push(att.clone());
+        }
     }
 
     /// The route's breaker let the request through: its end counts in the route's figures.
@@ -195,6 +213,7 @@ impl Life {
 
     /// A failed attempt that the loop goes on from, with its decision.
     pub async fn record_attempt(&mut self, att: AttemptRecord) {
+        self.traced(&att);
         if let Some(r) = &self.route {
             self.st.metrics.attempt_failed(r, att.error_class);
         }
@@ -363,6 +382,7 @@ impl Life {
                     "the gateway stopped while this request was calling the provider; its outcome is unknown",
                     now,
                 );
+                self.traced(&att);
                 self.st.ledger.enqueue_attempt(att);
             }
             None => {
@@ -455,12 +475,16 @@ impl Life {
         {
             self.st.metrics.attempt_failed(r, att.error_class);
         }
+        self.traced(&att);
         self.st.ledger.enqueue_attempt(att);
         self.settle_now();
     }
 
     /// The final record and figures, with backpressure on the ledger's queue.
     async fn settle(&mut self, att: Option<AttemptRecord>) {
+        if let Some(a) = &att {
+            self.traced(a);
+        }
         self.finish_figures();
         self.settling = Some(att.clone());
         if let Some(a) = att
@@ -497,6 +521,11 @@ impl Life {
             let ttft = self.rec.stream.then_some(self.rec.first_token_at).flatten().map(ms);
             let wait = self.rec.queued_ms.map(Duration::from_millis);
             self.st.prom.request(&c.name, ms(at), wait, ttft);
+        }
+        if let (Some(o), Some((t, atts))) = (&self.st.otel, self.trace.take()) {
+            let mut rec = self.rec.clone();
+            rec.finished_at.get_or_insert(at);
+            o.record(&t, &rec, &atts);
         }
         self.st
             .metrics

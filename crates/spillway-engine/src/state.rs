@@ -146,6 +146,8 @@ pub struct AppState {
     pub control: crate::control::Control,
     /// `/metrics`' recorder (N4).
     pub prom: crate::prom::Prom,
+    /// Trace export, when configured.
+    pub otel: Option<Arc<crate::otel::Otel>>,
 }
 
 impl AppState {
@@ -212,6 +214,7 @@ impl AppState {
             capacity_queue: AtomicU32::new(0),
             control: Default::default(),
             prom: Default::default(),
+            otel: None,
         })
     }
 }

@@ -1149,6 +1149,86 @@ async fn n4_a_metrics_token_is_required_when_configured() {
     gw.shutdown().await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n1_each_request_is_a_trace_span_with_a_child_per_attempt() {
+    // spec: N1, A6
+    // A collector on loopback that keeps every OTLP/JSON export it receives.
+    let got: Arc<Mutex<Vec<serde_json::Value>>> = Arc::default();
+    let keep = got.clone();
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |body: Bytes| {
+            let keep = keep.clone();
+            async move {
+                keep.lock()
+                    .unwrap()
+                    .push(serde_json::from_slice(&body).unwrap_or_default());
+                "{}"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let collector = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let caller = Scripted::with(&[("a", fail(503, ErrorClass::Overload, None))]);
+    let gw = crate::start_with(
+        config("", &[("a", 4), ("b", 4)]),
+        crate::Options {
+            ledger: Some(Ledger::start(Arc::new(Memory::default()))),
+            listen: Some(([127, 0, 0, 1], 0).into()),
+            otel: Some(Arc::new(crate::otel::Otel::json_to(&collector).unwrap())),
+            ..crate::Options::default()
+        },
+        Arc::new(caller),
+    )
+    .await
+    .unwrap();
+    let url = format!("http://{}", gw.addr);
+    let r = chat(&url, "m")
+        .header("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let id = r.headers()["x-request-id"].to_str().unwrap().to_owned();
+    gw.shutdown().await.unwrap();
+    let spans: Vec<serde_json::Value> = got
+        .lock()
+        .unwrap()
+        .iter()
+        .flat_map(|e| e["resourceSpans"].as_array().cloned().unwrap_or_default())
+        .flat_map(|r| r["scopeSpans"].as_array().cloned().unwrap_or_default())
+        .flat_map(|s| s["spans"].as_array().cloned().unwrap_or_default())
+        .collect();
+    let attr = |span: &serde_json::Value, key: &str| {
+        span["attributes"]
+            .as_array()
+            .and_then(|a| a.iter().find(|kv| kv["key"] == key))
+            .map(|kv| kv["value"].clone())
+    };
+    let request = spans
+        .iter()
+        .find(|s| {
+            attr(s, "spillway.request_id").and_then(|v| v["stringValue"].as_str().map(str::to_owned))
+                == Some(id.clone())
+        })
+        .unwrap_or_else(|| panic!("no span for the request in {spans:?}"));
+    // The caller's trace continues, under the caller's span.
+    assert_eq!(request["traceId"], "4bf92f3577b34da6a3ce929d0e0e4736");
+    assert_eq!(request["parentSpanId"], "00f067aa0ba902b7");
+    let children: Vec<&serde_json::Value> = spans
+        .iter()
+        .filter(|s| s["parentSpanId"] == request["spanId"])
+        .collect();
+    let mut names: Vec<&str> = children.iter().map(|s| s["name"].as_str().unwrap()).collect();
+    names.sort();
+    assert_eq!(names, ["attempt 1 on a", "attempt 2 on b"]);
+    let first = children.iter().find(|s| s["name"] == "attempt 1 on a").unwrap();
+    assert_eq!(attr(first, "spillway.decision").unwrap()["stringValue"], "failover");
+    assert_eq!(attr(first, "http.response.status_code").unwrap()["intValue"], "503");
+}
+
 #[tokio::test]
 async fn a_panic_is_answered_500_recorded_and_the_server_goes_on() {
     let mem = Arc::new(Memory::default());

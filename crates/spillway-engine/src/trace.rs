@@ -23,6 +23,8 @@ pub struct TraceContext {
     /// Our span, the parent of the upstream call.
     pub span_id: String,
     pub flags: String,
+    /// The caller's span, when it sent a valid `traceparent`.
+    pub parent_span_id: Option<String>,
 }
 
 impl TraceContext {
@@ -31,11 +33,12 @@ impl TraceContext {
     pub fn from_header(traceparent: Option<&str>, request_id: &str) -> TraceContext {
         let mut rng = rand::rng();
         let span_id = format!("{:016x}", rng.random::<u64>().max(1));
-        if let Some((trace_id, flags)) = traceparent.and_then(parse_traceparent) {
+        if let Some((trace_id, parent, flags)) = traceparent.and_then(parse_traceparent) {
             return TraceContext {
                 trace_id,
                 span_id,
                 flags,
+                parent_span_id: Some(parent),
             };
         }
         let trace_id = trace_id_for(request_id).unwrap_or_else(|| format!("{:032x}", rng.random::<u128>().max(1)));
@@ -43,6 +46,7 @@ impl TraceContext {
             trace_id,
             span_id,
             flags: "01".into(),
+            parent_span_id: None,
         }
     }
 
@@ -56,7 +60,7 @@ fn is_hex(s: &str, len: usize) -> bool {
 }
 
 /// `version-traceid-parentid-flags`; all-zero ids are invalid per the W3C spec.
-fn parse_traceparent(v: &str) -> Option<(String, String)> {
+fn parse_traceparent(v: &str) -> Option<(String, String, String)> {
     let mut it = v.trim().split('-');
     let (ver, trace, parent, flags) = (it.next()?, it.next()?, it.next()?, it.next()?);
     if !is_hex(ver, 2) || ver == "ff" || !is_hex(trace, 32) || !is_hex(parent, 16) || !is_hex(flags, 2) {
@@ -68,7 +72,7 @@ fn parse_traceparent(v: &str) -> Option<(String, String)> {
     if trace.bytes().all(|b| b == b'0') || parent.bytes().all(|b| b == b'0') {
         return None;
     }
-    Some((trace.to_owned(), flags.to_owned()))
+    Some((trace.to_owned(), parent.to_owned(), flags.to_owned()))
 }
 
 #[cfg(test)]
@@ -83,6 +87,7 @@ mod tests {
             &request_id(),
         );
         assert_eq!(t.trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(t.parent_span_id.as_deref(), Some("00f067aa0ba902b7"));
         assert_ne!(
             t.span_id, "00f067aa0ba902b7",
             "the upstream call gets our own span as parent"
