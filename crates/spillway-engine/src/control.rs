@@ -58,6 +58,8 @@ pub struct RouteControl {
     /// `format/model`.
     pub name: String,
     inner: Mutex<RouteInner>,
+    /// Its `/metrics` histograms, registered once (N4).
+    pub hists: OnceLock<crate::prom::RouteHistograms>,
 }
 
 /// A route as the console shows it.
@@ -251,9 +253,15 @@ struct Pins {
 /// Every route's control and the conversations' channels.
 #[derive(Default)]
 pub struct Control {
-    routes: Mutex<HashMap<String, Arc<RouteControl>>>,
+    /// Per format (its index in `Format::ALL`), by model: found without building the
+    /// route's name on every request.
+    routes: Mutex<[HashMap<String, Arc<RouteControl>>; 3]>,
     pins: Mutex<Pins>,
     persist: OnceLock<mpsc::UnboundedSender<Persist>>,
+}
+
+fn format_index(f: Format) -> usize {
+    Format::ALL.iter().position(|x| *x == f).unwrap_or(0)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -283,19 +291,16 @@ fn action(t: &Transition) -> String {
 impl Control {
     /// The route of `model` in `format`, made on first use.
     pub fn route(&self, st: &AppState, format: Format, model: &str) -> Arc<RouteControl> {
+        let i = format_index(format);
         let mut routes = lock(&self.routes);
-        let name = format!("{format}/{model}");
-        if let Some(r) = routes.get(&name) {
+        if let Some(r) = routes[i].get(model) {
             return r.clone();
         }
-        let name = if routes.len() < MAX_ROUTES {
-            name
-        } else {
-            format!("{format}/{OTHER_MODELS}")
-        };
-        routes
-            .entry(name.clone())
-            .or_insert_with(|| Arc::new(Self::new_route(st, name)))
+        let total: usize = routes.iter().map(HashMap::len).sum();
+        let model = if total < MAX_ROUTES { model } else { OTHER_MODELS };
+        routes[i]
+            .entry(model.to_owned())
+            .or_insert_with(|| Arc::new(Self::new_route(st, format!("{format}/{model}"))))
             .clone()
     }
 
@@ -309,16 +314,23 @@ impl Control {
                 amp: Amplification::new(now),
             }),
             name,
+            hists: OnceLock::new(),
         }
     }
 
+    /// The route named `format/model`, if it has been made.
     pub fn get(&self, route: &str) -> Option<Arc<RouteControl>> {
-        lock(&self.routes).get(route).cloned()
+        let (format, model) = route.split_once('/')?;
+        let format = format.parse::<Format>().ok()?;
+        lock(&self.routes)[format_index(format)].get(model).cloned()
     }
 
     /// Every route's view, by name.
     pub fn views(&self, st: &AppState) -> Vec<RouteControlView> {
-        let mut routes: Vec<Arc<RouteControl>> = lock(&self.routes).values().cloned().collect();
+        let mut routes: Vec<Arc<RouteControl>> = lock(&self.routes)
+            .iter()
+            .flat_map(|m| m.values().cloned())
+            .collect();
         routes.sort_by(|a, b| a.name.cmp(&b.name));
         let cost = cost_trigger(st);
         routes.iter().map(|r| r.view(&cost)).collect()

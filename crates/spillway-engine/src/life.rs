@@ -520,7 +520,9 @@ impl Life {
             let ms = |to: UnixMs| Duration::from_millis(to.since(self.rec.received_at));
             let ttft = self.rec.stream.then_some(self.rec.first_token_at).flatten().map(ms);
             let wait = self.rec.queued_ms.map(Duration::from_millis);
-            self.st.prom.request(&c.name, ms(at), wait, ttft);
+            c.hists
+                .get_or_init(|| self.st.prom.route_histograms(&c.name))
+                .record(ms(at), wait, ttft);
         }
         if let (Some(o), Some((t, atts))) = (&self.st.otel, self.trace.take()) {
             let mut rec = self.rec.clone();

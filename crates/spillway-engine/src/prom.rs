@@ -17,6 +17,25 @@ const BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
 ];
 
+/// One route's request, queue-wait and TTFT histograms.
+pub struct RouteHistograms {
+    total: metrics::Histogram,
+    wait: metrics::Histogram,
+    ttft: metrics::Histogram,
+}
+
+impl RouteHistograms {
+    /// A finished request: its duration, its capacity wait and, for a stream, its time to
+    /// first token.
+    pub fn record(&self, total: Duration, wait: Option<Duration>, ttft: Option<Duration>) {
+        self.total.record(total.as_secs_f64());
+        self.wait.record(wait.unwrap_or_default().as_secs_f64());
+        if let Some(t) = ttft {
+            self.ttft.record(t.as_secs_f64());
+        }
+    }
+}
+
 /// The gateway's own recorder (never the process-global one: several gateways may share a
 /// process, as the tests and the desktop shell do).
 pub struct Prom {
@@ -42,21 +61,17 @@ impl Prom {
         f(&self.recorder)
     }
 
-    /// A finished request of `route`: its duration, its capacity wait and, for a stream,
-    /// its time to first token.
-    pub fn request(&self, route: &str, total: Duration, wait: Option<Duration>, ttft: Option<Duration>) {
+    /// A route's histograms, registered once: a request then records into them without a
+    /// registry lookup.
+    pub fn route_histograms(&self, route: &str) -> RouteHistograms {
         self.with(|r| {
-            let labels = || vec![Label::new("route", route.to_owned())];
-            let key = |name: &'static str| metrics::Key::from_parts(name, labels());
-            r.register_histogram(&key("spillway_request_duration_seconds"), &META)
-                .record(total.as_secs_f64());
-            r.register_histogram(&key("spillway_queue_wait_seconds"), &META)
-                .record(wait.unwrap_or_default().as_secs_f64());
-            if let Some(t) = ttft {
-                r.register_histogram(&key("spillway_time_to_first_token_seconds"), &META)
-                    .record(t.as_secs_f64());
+            let key = |name: &'static str| metrics::Key::from_parts(name, vec![Label::new("route", route.to_owned())]);
+            RouteHistograms {
+                total: r.register_histogram(&key("spillway_request_duration_seconds"), &META),
+                wait: r.register_histogram(&key("spillway_queue_wait_seconds"), &META),
+                ttft: r.register_histogram(&key("spillway_time_to_first_token_seconds"), &META),
             }
-        });
+        })
     }
 
     /// The exposition, with counters and gauges read from the gateway now.
