@@ -136,7 +136,10 @@ def test_g4_an_operators_breaker_survives_a_restart(tmp_path, sim):
     try:
         r = post(gw, "gemini", gw.key, json=BODIES["gemini"])
         assert r.status_code == 503
-        assert "INC-7" in error_of("gemini", r.json())[1]
+        msg = error_of("gemini", r.json())[1]
+        # Clients hear that an operator opened it, not the operator's own words.
+        assert "opened by an operator" in msg and "INC-7" not in msg
+        assert "INC-7" in control(gw, route)["breaker"]["reason"]
         assert gw.calls("gemini") == 0
         e = gw.admin("GET", f"/admin/v1/audit?kind=breaker&subject={route}")[0]
         assert (e["actor"], e["action"], e["trigger"]) == ("kim", "closed->open", "operator")

@@ -79,7 +79,8 @@ function why(r: RouteControlView): string {
     case 'probation':
       return `probation: ${b.probes_passed} of ${b.probes_needed} probes passed${b.probe_in_flight ? ', one running' : ''}`
     case 'closed':
-      return r.amplification.holding_low_priority ? 'closed; amplification above 1.2 over 5 min: new low-priority work is held' : 'closed'
+      // No low-priority work exists until background jobs do; the flag says what would be held.
+      return r.amplification.holding_low_priority ? 'closed; amplification above 1.2 over 5 min (low-priority work would be held)' : 'closed'
   }
 }
 

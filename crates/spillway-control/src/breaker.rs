@@ -123,8 +123,9 @@ pub enum Admission {
     /// Send it as usual.
     Send,
     /// Send it as a probation probe: one attempt, and its outcome goes to
-    /// [`Breaker::probe_result`] (or [`Breaker::probe_abandoned`]).
-    Probe,
+    /// [`Breaker::probe_result`] (or [`Breaker::probe_abandoned`]) with this probation's
+    /// number, so a probe that outlived its probation cannot count in the next.
+    Probe(u64),
     /// Send nothing; the client may try again after `retry_after`.
     Refuse { retry_after: Duration, reason: String },
 }
@@ -139,12 +140,17 @@ enum State {
         reason: String,
     },
     Probation {
+        /// Which probation this is (probes carry it back).
+        id: u64,
         sent: u32,
         passed: u32,
         in_flight: bool,
         latencies: Vec<Duration>,
     },
 }
+
+/// Successful attempts kept for the route's normal latency.
+const NORMAL_SAMPLES: usize = 200;
 
 /// The part of a breaker that survives a restart.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -196,9 +202,13 @@ pub struct Breaker {
     failures: usize,
     run_429_since: Option<Instant>,
     waits: VecDeque<(Instant, Duration)>,
-    /// The route's normal latency (ms): a slow average of successful attempts while closed.
+    /// The route's normal latency (ms): the P95 of its last successful attempts while
+    /// closed (a P95 against a P95: one long answer among five probes is normal for LLMs),
+    /// frozen while it is open.
     normal_ms: Option<f64>,
+    recent_ok: VecDeque<Duration>,
     reopened: u32,
+    probations: u64,
 }
 
 /// The nearest-rank P95 of `v` (sorted in place).
@@ -237,7 +247,9 @@ impl Breaker {
             run_429_since: None,
             waits: VecDeque::new(),
             normal_ms: None,
+            recent_ok: VecDeque::new(),
             reopened: 0,
+            probations: 0,
         }
     }
 
@@ -310,8 +322,10 @@ impl Breaker {
                 "cool-down over: probation sends {} probes one at a time",
                 self.cfg.probes
             );
+            self.probations += 1;
             moved = Some(self.go(
                 State::Probation {
+                    id: self.probations,
                     sent: 0,
                     passed: 0,
                     in_flight: false,
@@ -326,16 +340,28 @@ impl Breaker {
         let probes = self.cfg.probes;
         let a = match &mut self.state {
             State::Closed => Admission::Send,
-            State::Open { probe_at, reason, .. } => Admission::Refuse {
+            State::Open {
+                probe_at,
+                reason,
+                trigger,
+            } => Admission::Refuse {
                 // An operator's breaker has no time; a minute is an honest guess at when
                 // asking again is worth it.
                 retry_after: probe_at.map_or(Duration::from_secs(60), |at| at.saturating_duration_since(now)),
-                reason: reason.clone(),
+                // An operator's own words are for operators (the audit log, the console),
+                // not for every API client.
+                reason: if *trigger == Trigger::Operator {
+                    "opened by an operator".to_owned()
+                } else {
+                    reason.clone()
+                },
             },
-            State::Probation { sent, in_flight, .. } if !*in_flight && *sent < probes => {
+            State::Probation {
+                id, sent, in_flight, ..
+            } if !*in_flight && *sent < probes => {
                 *in_flight = true;
                 *sent += 1;
-                Admission::Probe
+                Admission::Probe(*id)
             }
             State::Probation { sent, .. } => Admission::Refuse {
                 retry_after: Duration::from_secs(1),
@@ -374,16 +400,23 @@ impl Breaker {
                 }
             }
             Outcome::Success => {
+                // Only an answer ends a run of 429s: 5xx mixed in (an incident answering
+                // 429 and 529 by turns) must not hide it.
                 self.run_429_since = None;
-                // A slow average (1/20 per answer): a normal that a bad minute does not move.
-                let l = ms(latency);
-                self.normal_ms = Some(self.normal_ms.map_or(l, |n| n + (l - n) / 20.0));
+                self.recent_ok.push_back(latency);
+                if self.recent_ok.len() > NORMAL_SAMPLES {
+                    self.recent_ok.pop_front();
+                }
+                let mut v: Vec<Duration> = self.recent_ok.iter().copied().collect();
+                self.normal_ms = p95(&mut v).map(ms);
             }
-            _ => self.run_429_since = None,
+            _ => {}
         }
         if self.failures >= self.cfg.failures_to_open {
             let (f, n) = (self.failures, self.recent.len());
-            let reason = format!("{f} of the last {n} attempts failed (5xx, timeout or unreachable)");
+            let reason = format!(
+                "{f} of the last {n} attempts failed (5xx, timeout, unreachable, or no channel left in rotation)"
+            );
             return Some(self.open(
                 Trigger::ServerErrors,
                 reason,
@@ -471,6 +504,7 @@ impl Breaker {
     /// twice (the idempotency ledger's word).
     pub fn probe_result(
         &mut self,
+        probation: u64,
         outcome: Outcome,
         latency: Duration,
         duplicate: bool,
@@ -478,6 +512,7 @@ impl Breaker {
     ) -> Option<Transition> {
         let probes = self.cfg.probes;
         let State::Probation {
+            id,
             sent,
             passed,
             in_flight,
@@ -486,6 +521,9 @@ impl Breaker {
         else {
             return None;
         };
+        if *id != probation {
+            return None;
+        }
         *in_flight = false;
         let n = *sent;
         if duplicate {
@@ -553,9 +591,12 @@ impl Breaker {
     }
 
     /// A probe ended without an outcome (the client left first): its place is given back.
-    pub fn probe_abandoned(&mut self) {
-        if let State::Probation { sent, in_flight, .. } = &mut self.state
+    pub fn probe_abandoned(&mut self, probation: u64) {
+        if let State::Probation {
+            id, sent, in_flight, ..
+        } = &mut self.state
             && *in_flight
+            && *id == probation
         {
             *in_flight = false;
             *sent = sent.saturating_sub(1);

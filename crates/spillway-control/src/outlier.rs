@@ -341,6 +341,8 @@ impl Outlier {
         self.state = State::Healthy { since: now };
         self.consecutive = 0;
         self.error_rate = 0.0;
+        // The operator vouches for it: its next failure starts from the first cool-down.
+        self.ejections = 0;
         was
     }
 }

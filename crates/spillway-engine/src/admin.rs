@@ -401,16 +401,25 @@ async fn breaker_action(st: Arc<AppState>, body: axum::body::Bytes, open: bool) 
             "`route`: the format is one of openai, anthropic, gemini.",
         );
     };
+    if !spillway_wire::request::valid_model_name(model) {
+        return unprocessable("`route`: the model part is not a model name.".into());
+    }
+    let served = st
+        .channels
+        .iter()
+        .any(|c| c.cfg.format == format && c.cfg.serves(model));
     let route = match st.control.get(&a.route) {
         Some(r) => r,
-        None if st
-            .channels
-            .iter()
-            .any(|c| c.cfg.format == format && c.cfg.serves(model)) =>
-        {
-            st.control.route(&st, format, model)
+        None if !served => return admin_error(StatusCode::NOT_FOUND, "No channel serves that route."),
+        // Past the route table's size, new models share one breaker: forcing it would
+        // stop every one of them, which is not what the operator asked for.
+        None if !st.control.has_own_route(format, model) => {
+            return admin_error(
+                StatusCode::CONFLICT,
+                "That route has no breaker of its own (the route table is full; new models share one). Nothing was changed.",
+            );
         }
-        None => return admin_error(StatusCode::NOT_FOUND, "No channel serves that route."),
+        None => st.control.route(&st, format, model),
     };
     match st.control.force(&st, &route, open, &actor, &reason).await {
         Ok(_) => axum::Json(route.view("")).into_response(),

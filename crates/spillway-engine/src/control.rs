@@ -27,6 +27,8 @@ use ts_rs::TS;
 const MAX_ROUTES: usize = 256;
 /// The model part of that shared route.
 pub const OTHER_MODELS: &str = "(other models)";
+/// A route idle this long may make room for a new one.
+const ROUTE_IDLE: Duration = Duration::from_secs(600);
 /// Conversations remembered for stickiness; the least recently used go first.
 const MAX_PINS: usize = 50_000;
 /// F4's window.
@@ -51,6 +53,9 @@ struct RouteInner {
     breaker: Breaker,
     budget: RetryBudget,
     amp: Amplification,
+    /// When a request last asked for the route: idle closed routes make room for new
+    /// ones when the table is full.
+    last_used: Instant,
 }
 
 /// One route's breaker, retry budget and figures.
@@ -79,13 +84,16 @@ pub struct RouteControlView {
 /// A probation probe in flight; dropped without an outcome, it is given back.
 pub struct Probe {
     route: Arc<RouteControl>,
+    /// The probation it belongs to.
+    id: u64,
     done: bool,
 }
 
 impl Drop for Probe {
     fn drop(&mut self) {
         if !self.done {
-            self.route.with(|i| i.breaker.probe_abandoned());
+            let id = self.id;
+            self.route.with(|i| i.breaker.probe_abandoned(id));
         }
     }
 }
@@ -103,29 +111,44 @@ impl RouteControl {
         f(&mut g)
     }
 
+    /// Saves a transition while the route is still locked, so the ledger keeps them in
+    /// the order they happened (the save itself is queued, not awaited).
+    fn saved(
+        &self,
+        st: &AppState,
+        i: &RouteInner,
+        t: Option<Transition>,
+        actor: &str,
+        done: Option<oneshot::Sender<spillway_ledger::Result<()>>>,
+    ) -> Option<Transition> {
+        let t = t?;
+        st.control
+            .save_breaker(st, &self.name, &t, i.breaker.snapshot(Instant::now()), actor, done);
+        Some(t)
+    }
+
     /// G2, G3: whether the request may go out.
     pub fn admit(self: &Arc<Self>, st: &AppState) -> Admit {
         let now = Instant::now();
-        let (a, moved, snap) = self.with(|i| {
+
+        let (a, moved) = self.with(|i| {
+            i.last_used = now;
             let (a, t) = i.breaker.admit(now);
-            let snap = t.is_some().then(|| i.breaker.snapshot(now));
-            (a, t, snap)
+            if !matches!(a, Admission::Refuse { .. }) {
+                i.budget.request(now);
+            }
+            (a, self.saved(st, i, t, "gateway", None))
         });
-        if let (Some(t), Some(s)) = (moved, snap) {
-            st.control.breaker_moved(st, &self.name, t, s, "gateway", None);
+        if let Some(t) = moved {
+            st.control.announce(st, &self.name, &t);
         }
         match a {
-            Admission::Send => {
-                self.with(|i| i.budget.request(now));
-                Admit::Send
-            }
-            Admission::Probe => {
-                self.with(|i| i.budget.request(now));
-                Admit::Probe(Probe {
-                    route: self.clone(),
-                    done: false,
-                })
-            }
+            Admission::Send => Admit::Send,
+            Admission::Probe(id) => Admit::Probe(Probe {
+                route: self.clone(),
+                id,
+                done: false,
+            }),
             Admission::Refuse { retry_after, reason } => Admit::Refuse { retry_after, reason },
         }
     }
@@ -133,9 +156,12 @@ impl RouteControl {
     /// G1: a request was admitted to a channel after `wait` (or gave up after it).
     pub fn on_wait(&self, st: &AppState, wait: Duration) {
         let now = Instant::now();
-        let moved = self.with(|i| i.breaker.on_wait(wait, now).map(|t| (t, i.breaker.snapshot(now))));
-        if let Some((t, s)) = moved {
-            st.control.breaker_moved(st, &self.name, t, s, "gateway", None);
+        let moved = self.with(|i| {
+            let t = i.breaker.on_wait(wait, now);
+            self.saved(st, i, t, "gateway", None)
+        });
+        if let Some(t) = moved {
+            st.control.announce(st, &self.name, &t);
         }
     }
 
@@ -148,14 +174,14 @@ impl RouteControl {
                     p.done = true;
                     // Duplicates come from the idempotency ledger; until it exists no
                     // probe can be known to have run twice.
-                    i.breaker.probe_result(outcome, latency, false, now)
+                    i.breaker.probe_result(p.id, outcome, latency, false, now)
                 }
                 _ => i.breaker.on_attempt(outcome, latency, now),
             };
-            t.map(|t| (t, i.breaker.snapshot(now)))
+            self.saved(st, i, t, "gateway", None)
         });
-        if let Some((t, s)) = moved {
-            st.control.breaker_moved(st, &self.name, t, s, "gateway", None);
+        if let Some(t) = moved {
+            st.control.announce(st, &self.name, &t);
         }
     }
 
@@ -215,7 +241,14 @@ impl RouteControl {
         self.with(|i| i.breaker.state())
     }
 
-    fn force(&self, open: bool, reason: &str) -> Option<(Transition, BreakerSnapshot)> {
+    fn force(
+        &self,
+        st: &AppState,
+        open: bool,
+        actor: &str,
+        reason: &str,
+        done: oneshot::Sender<spillway_ledger::Result<()>>,
+    ) -> Option<Transition> {
         let now = Instant::now();
         self.with(|i| {
             let t = if open {
@@ -223,7 +256,7 @@ impl RouteControl {
             } else {
                 i.breaker.force_close(reason, now)
             };
-            t.map(|t| (t, i.breaker.snapshot(now)))
+            self.saved(st, i, t, actor, Some(done))
         })
     }
 }
@@ -243,6 +276,13 @@ struct Persist {
     done: Option<oneshot::Sender<spillway_ledger::Result<()>>>,
 }
 
+/// The persisting task's work: a write, or a flush marker answered once every write
+/// queued before it is done.
+enum Job {
+    Write(Box<Persist>),
+    Flush(oneshot::Sender<()>),
+}
+
 #[derive(Default)]
 struct Pins {
     /// Conversation → (channel, last use tick).
@@ -257,7 +297,7 @@ pub struct Control {
     /// route's name on every request.
     routes: Mutex<[HashMap<String, Arc<RouteControl>>; 3]>,
     pins: Mutex<Pins>,
-    persist: OnceLock<mpsc::UnboundedSender<Persist>>,
+    persist: OnceLock<mpsc::UnboundedSender<Job>>,
 }
 
 fn format_index(f: Format) -> usize {
@@ -296,12 +336,34 @@ impl Control {
         if let Some(r) = routes[i].get(model) {
             return r.clone();
         }
-        let total: usize = routes.iter().map(HashMap::len).sum();
+        let mut total: usize = routes.iter().map(HashMap::len).sum();
+        if total >= MAX_ROUTES {
+            // Clients name models (a `*` channel serves any): routes nobody used for ten
+            // minutes, closed and without figures worth keeping, make room first.
+            let now = Instant::now();
+            for m in routes.iter_mut() {
+                m.retain(|name, r| {
+                    name == OTHER_MODELS
+                        || r.with(|i| {
+                            now.saturating_duration_since(i.last_used) < ROUTE_IDLE
+                                || i.breaker.state() != BreakerState::Closed
+                        })
+                });
+            }
+            total = routes.iter().map(HashMap::len).sum();
+        }
         let model = if total < MAX_ROUTES { model } else { OTHER_MODELS };
         routes[i]
             .entry(model.to_owned())
             .or_insert_with(|| Arc::new(Self::new_route(st, format!("{format}/{model}"))))
             .clone()
+    }
+
+    /// Whether `model` of `format` has (or could get) a breaker of its own rather than the
+    /// shared one.
+    pub fn has_own_route(&self, format: Format, model: &str) -> bool {
+        let routes = lock(&self.routes);
+        routes[format_index(format)].contains_key(model) || routes.iter().map(HashMap::len).sum::<usize>() < MAX_ROUTES
     }
 
     fn new_route(st: &AppState, name: String) -> RouteControl {
@@ -312,6 +374,7 @@ impl Control {
                 breaker: Breaker::new(breaker_config(st, &name), now),
                 budget: RetryBudget::new(c.retry_budget_ratio, u64::from(c.retry_budget_min), BUDGET_WINDOW, now),
                 amp: Amplification::new(now),
+                last_used: now,
             }),
             name,
             hists: OnceLock::new(),
@@ -327,10 +390,7 @@ impl Control {
 
     /// Every route's view, by name.
     pub fn views(&self, st: &AppState) -> Vec<RouteControlView> {
-        let mut routes: Vec<Arc<RouteControl>> = lock(&self.routes)
-            .iter()
-            .flat_map(|m| m.values().cloned())
-            .collect();
+        let mut routes: Vec<Arc<RouteControl>> = lock(&self.routes).iter().flat_map(|m| m.values().cloned()).collect();
         routes.sort_by(|a, b| a.name.cmp(&b.name));
         let cost = cost_trigger(st);
         routes.iter().map(|r| r.view(&cost)).collect()
@@ -370,12 +430,19 @@ impl Control {
     }
 
     /// Writes in the order given, on one task, so the latest state is the one kept.
-    fn persist(&self, ledger: &Ledger, p: Persist) {
-        let tx = self.persist.get_or_init(|| {
-            let (tx, mut rx) = mpsc::unbounded_channel::<Persist>();
+    fn sender(&self, ledger: &Ledger) -> &mpsc::UnboundedSender<Job> {
+        self.persist.get_or_init(|| {
+            let (tx, mut rx) = mpsc::unbounded_channel::<Job>();
             let ledger = ledger.clone();
             tokio::spawn(async move {
-                while let Some(p) = rx.recv().await {
+                while let Some(job) = rx.recv().await {
+                    let p = match job {
+                        Job::Write(p) => *p,
+                        Job::Flush(done) => {
+                            let _ = done.send(());
+                            continue;
+                        }
+                    };
                     let r = ledger.record_transition(p.state.as_ref(), &p.audit).await;
                     if let Err(e) = &r {
                         tracing::error!(error = %e, subject = %p.audit.subject, "could not record a control transition");
@@ -386,26 +453,29 @@ impl Control {
                 }
             });
             tx
-        });
-        if let Err(e) = tx.send(p)
-            && let Some(done) = e.0.done
+        })
+    }
+
+    fn persist(&self, ledger: &Ledger, p: Persist) {
+        if let Err(e) = self.sender(ledger).send(Job::Write(Box::new(p)))
+            && let Job::Write(p) = e.0
+            && let Some(done) = p.done
         {
             let _ = done.send(Err(spillway_ledger::Error::WriterStopped));
         }
     }
 
-    /// A breaker moved: logged, persisted with its audit entry, alerted when it opens or
-    /// closes.
-    fn breaker_moved(
-        &self,
-        st: &AppState,
-        route: &str,
-        t: Transition,
-        snap: BreakerSnapshot,
-        actor: &str,
-        done: Option<oneshot::Sender<spillway_ledger::Result<()>>>,
-    ) {
-        let at = clock::now();
+    /// Waits until every transition queued so far is written (a shutdown calls it before
+    /// closing the ledger).
+    pub async fn flush(&self, ledger: &Ledger) {
+        let (tx, rx) = oneshot::channel();
+        if self.sender(ledger).send(Job::Flush(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    /// A breaker moved: logged, and alerted when it opens or closes.
+    fn announce(&self, st: &AppState, route: &str, t: &Transition) {
         tracing::warn!(route, from = ?t.from, to = ?t.to, trigger = ?t.trigger, "breaker: {}", t.reason);
         match t.to {
             BreakerState::Open if t.from == BreakerState::Closed => st.alert(
@@ -425,6 +495,19 @@ impl Control {
             ),
             _ => {}
         }
+    }
+
+    /// A breaker moved: its state and audit entry are queued for the ledger.
+    fn save_breaker(
+        &self,
+        st: &AppState,
+        route: &str,
+        t: &Transition,
+        snap: BreakerSnapshot,
+        actor: &str,
+        done: Option<oneshot::Sender<spillway_ledger::Result<()>>>,
+    ) {
+        let at = clock::now();
         let state = serde_json::to_string(&Saved {
             saved_at: at,
             state: snap,
@@ -442,11 +525,11 @@ impl Control {
             kind: "breaker".into(),
             subject: route.to_owned(),
             actor: actor.to_owned(),
-            action: action(&t),
+            action: action(t),
             trigger: serde_json::to_value(t.trigger)
                 .ok()
                 .and_then(|v| v.as_str().map(str::to_owned)),
-            reason: t.reason,
+            reason: t.reason.clone(),
             figures: serde_json::to_string(&t.figures).ok(),
         };
         self.persist(&st.ledger, Persist { state, audit, done });
@@ -546,11 +629,11 @@ impl Control {
         actor: &str,
         reason: &str,
     ) -> spillway_ledger::Result<bool> {
-        let Some((t, snap)) = route.force(open, reason) else {
+        let (tx, rx) = oneshot::channel();
+        let Some(t) = route.force(st, open, actor, reason, tx) else {
             return Ok(false);
         };
-        let (tx, rx) = oneshot::channel();
-        self.breaker_moved(st, &route.name, t, snap, actor, Some(tx));
+        self.announce(st, &route.name, &t);
         rx.await.unwrap_or(Err(spillway_ledger::Error::WriterStopped))?;
         Ok(true)
     }

@@ -290,6 +290,22 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
         let max_wait = ctx.capacity_wait_left.min(ctx.deadline.saturating_duration_since(now));
         match routing::admit(&ctx.candidates, ctx.tokens, &tried, max_wait, life.wait_guard()).await {
             Ok(_) if ctx.client_gone.is_cancelled() => return End::refused(GatewayError::ClientGone),
+            // G2: the breaker may have opened while this request waited to retry.
+            Ok(_) if !ctx.route.sending() => {
+                let err = stopped(
+                    life.rec.attempts,
+                    &signal,
+                    &name,
+                    Stop::BreakerOpen,
+                    all_paced,
+                    ctx.route.retry_after(),
+                );
+                return End::Error {
+                    err,
+                    class: Some(signal.class),
+                    att: None,
+                };
+            }
             Ok(a) => {
                 if let Some(w) = a.waited {
                     ctx.capacity_wait_left = ctx.capacity_wait_left.saturating_sub(w);

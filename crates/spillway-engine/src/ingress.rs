@@ -55,7 +55,7 @@ async fn metrics_endpoint(State(st): State<Arc<AppState>>, req: Request) -> Resp
         (None, _) => req
             .extensions()
             .get::<Arc<ConnState>>()
-            .is_none_or(|c| c.peer.ip().is_loopback()),
+            .is_some_and(|c| c.peer.ip().is_loopback()),
     };
     if !allowed {
         let msg = if st.config.metrics_token.is_some() {
@@ -423,19 +423,20 @@ async fn handle<C: Caller>(
     let tokens = parsed.estimated_input_tokens + parsed.max_output_tokens.unwrap_or(0);
     let capacity_wait = Duration::from_millis(st.config.capacity_wait_ms)
         .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
-    let wait_from = tokio::time::Instant::now();
     let admitted = match routing::admit(&candidates, tokens, &[], capacity_wait, life.wait_guard()).await {
         Ok(a) => {
             route.on_wait(&st, a.waited.unwrap_or_default());
             a
         }
         Err(e) => {
-            // G1: a request that gave up waiting waited all it could.
+            // G1: a request refused for capacity (after waiting, or at once because the
+            // queue was full or no slot could free in time) would have waited at least its
+            // whole allowance: that is its sample, so a full queue raises the P95.
             if matches!(
                 e,
                 GatewayError::CapacityBusy { .. } | GatewayError::CapacityQueueFull { .. }
             ) {
-                route.on_wait(&st, wait_from.elapsed());
+                route.on_wait(&st, capacity_wait);
             }
             // G1: every channel cooling down after failures is the route failing, though no
             // attempt was made: it counts as one (a probe finding no channel is given back,
@@ -452,6 +453,17 @@ async fn handle<C: Caller>(
             return life.close(End::refused(e)).await;
         }
     };
+    // G2: the breaker may have opened while this request waited for capacity.
+    if probe.is_none()
+        && let Some(retry_after) = route.retry_after()
+    {
+        let e = GatewayError::BreakerOpen {
+            route: route.name.clone(),
+            reason: "it opened while this request waited for capacity".into(),
+            retry_after_s: crate::error::retry_after_secs(retry_after),
+        };
+        return life.close(End::refused(e)).await;
+    }
     let client_gone = tokio_util::sync::CancellationToken::new();
     let mut ctx = Ctx {
         format,

@@ -134,6 +134,8 @@ impl Running {
         }
         let mut done = self.server_done.clone();
         let _ = tokio::time::timeout(Duration::from_secs(1), done.wait_for(|d| *d)).await;
+        // Transitions queued by the last requests reach the ledger before it closes.
+        let _ = tokio::time::timeout(Duration::from_secs(3), st.control.flush(&st.ledger)).await;
         if let Some(o) = st.otel.clone() {
             // The SDK's shutdown blocks while it exports what is left.
             let _ = tokio::task::spawn_blocking(move || o.shutdown()).await;

@@ -103,7 +103,8 @@ impl Otel {
             Some(Ok(p)) => Context::new().with_remote_span_context(SpanContext::new(
                 trace_id,
                 p,
-                TraceFlags::SAMPLED,
+                // The caller's sampling decision stands.
+                TraceFlags::new(u8::from_str_radix(&trace.flags, 16).unwrap_or(1)),
                 true,
                 TraceState::default(),
             )),

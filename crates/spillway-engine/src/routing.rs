@@ -13,8 +13,8 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 /// Channels that speak `format` and serve `model` (A4, D1: together they are the
-/// request's channel group): the channel `pinned` (the conversation's, D4) first while it
-/// is in rotation, then the highest priority tier first, a random order within each tier
+/// request's channel group): the highest priority tier first and, within it, the channel
+/// `pinned` (the conversation's, D4) first while it is in rotation, then a random order
 /// weighted by each channel's configured weight times its health share (D4: latency above
 /// its normal and recent errors lower it; a channel back from a cool-down ramps up, D5).
 pub fn candidates(state: &AppState, format: Format, model: &str, pinned: Option<&str>) -> Vec<Arc<ChannelRt>> {
@@ -32,7 +32,9 @@ pub fn candidates(state: &AppState, format: Format, model: &str, pinned: Option<
             (pin, c.cfg.priority, key, c)
         })
         .collect();
-    c.sort_by(|a, b| b.0.cmp(&a.0).then(b.1.cmp(&a.1)).then(b.2.total_cmp(&a.2)));
+    // Priority first: a conversation pinned to a fallback tier goes back to the primary
+    // tier once it has a channel again (the operator's order outranks stickiness).
+    c.sort_by(|a, b| b.1.cmp(&a.1).then(b.0.cmp(&a.0)).then(b.2.total_cmp(&a.2)));
     c.into_iter().map(|(_, _, _, c)| c.clone()).collect()
 }
 

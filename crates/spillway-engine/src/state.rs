@@ -209,7 +209,7 @@ impl AppState {
             metrics: Default::default(),
             admin_token: None,
             console: crate::console::Console::None,
-            alerts: tokio::sync::broadcast::channel(64).0,
+            alerts: tokio::sync::broadcast::channel(256).0,
             shutdown: Shutdown::default(),
             capacity_queue: AtomicU32::new(0),
             control: Default::default(),

@@ -933,6 +933,56 @@ async fn g3_a_failed_probe_reopens_and_its_request_makes_one_attempt() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn g2_a_breaker_that_opens_while_a_request_waits_to_retry_stops_it() {
+    // spec: G2
+    let (st, _) = state_with(config("", &[("a", 4)]));
+    let caller = Arc::new(Scripted::with(&[("a", fail(503, ErrorClass::Overload, Some(1_500)))]));
+    let task = {
+        let (st, caller) = (st.clone(), caller.clone());
+        tokio::spawn(async move { drive(&st, &caller).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let route = st.control.get("openai/m").unwrap();
+    st.control.force(&st, &route, true, "ops", "incident").await.unwrap();
+    let (resp, _, id) = task.await.unwrap();
+    assert_eq!(resp.status(), 502);
+    assert!(resp.headers().contains_key("retry-after"));
+    assert_eq!(
+        caller.calls(),
+        ["a"],
+        "nothing more went upstream once the breaker opened"
+    );
+    let (rec, _) = rows(&st, &id).await;
+    assert!(rec.error_message.unwrap().contains("circuit breaker"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn client_named_models_cannot_take_the_breaker_table_for_good() {
+    // spec: G1
+    let (st, _) = state_with(config("", &[("a", 4)]));
+    for i in 0..300 {
+        let r = st.control.route(&st, Format::OpenAi, &format!("made-up-{i}"));
+        assert!(matches!(r.admit(&st), Admit::Send));
+    }
+    // The table is full: newcomers share one breaker, and an operator cannot force it.
+    assert_eq!(
+        st.control.route(&st, Format::OpenAi, "late").name,
+        "openai/(other models)"
+    );
+    assert!(!st.control.has_own_route(Format::OpenAi, "late"));
+    // Ten idle minutes later, the idle closed routes make room; an open one stays.
+    let open = st.control.get("openai/made-up-7").unwrap();
+    st.control.force(&st, &open, true, "ops", "keep").await.unwrap();
+    tokio::time::advance(Duration::from_secs(601)).await;
+    assert_eq!(st.control.route(&st, Format::OpenAi, "late").name, "openai/late");
+    assert_eq!(
+        st.control.get("openai/made-up-7").unwrap().state(),
+        spillway_control::BreakerState::Open
+    );
+    assert!(st.control.get("openai/made-up-8").is_none());
+}
+
+#[tokio::test(start_paused = true)]
 async fn g4_breaker_and_ejection_survive_a_restart() {
     // spec: G4, D5
     let mem = Arc::new(Memory::default());
@@ -962,9 +1012,12 @@ async fn g4_breaker_and_ejection_survive_a_restart() {
     let route = st.control.get("openai/m").expect("restored");
     assert_eq!(route.state(), spillway_control::BreakerState::Open);
     match route.admit(&st) {
-        Admit::Refuse { reason, .. } => assert!(reason.contains("provider incident"), "{reason}"),
+        // Clients hear that an operator opened it; the operator's words stay in the console.
+        Admit::Refuse { reason, .. } => assert_eq!(reason, "opened by an operator"),
         _ => panic!("a restart closed the breaker"),
     }
+    let view = route.view("").breaker;
+    assert!(view.reason.unwrap().contains("provider incident"));
     let v = st.channels[0].health.view(Instant::now());
     assert_eq!(v.state, crate::health::RotationState::Cooling);
     let audit = mem.audit.lock().unwrap().clone();
