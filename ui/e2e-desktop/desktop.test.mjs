@@ -93,8 +93,12 @@ test('the desktop window opens connected and shows live numbers', async () => {
   await shot('overview-desktop.png')
 })
 
-test('the desktop window shows the ledger and the connection screen', async () => {
-  await click('//nav//button[normalize-space()="Ledger"]')
+test('the desktop window shows the breakers, the ledger and the connection screen', async () => {
+  // spec: G4
+  await click('//nav//a[normalize-space()="Breakers"]')
+  await until('the breakers table', async () => (await text('[data-testid="breakers"]')).includes('closed'))
+  await shot('breakers-desktop.png')
+  await click('//nav//a[normalize-space()="Ledger"]')
   await until('ledger rows', async () => (await text('[data-testid="results"]')).includes('done'))
   await shot('ledger-desktop.png')
   await click('//button[normalize-space()="Disconnect"]')

@@ -111,6 +111,8 @@ impl RetryBudget {
 }
 
 const AMP_BUCKET: Duration = Duration::from_secs(10);
+/// Requests over 5 min below which amplification holds nothing.
+const HOLD_MIN_REQUESTS: u64 = 20;
 const AMP_KEEP: u64 = 360; // one hour
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -208,18 +210,22 @@ impl Amplification {
         }
     }
 
-    /// F4: whether new low-priority work is held now.
+    /// F4: whether new low-priority work is held now: amplification above the limit over
+    /// 5 min, on enough requests for the figure to mean something (a route's first retry
+    /// is not a storm).
     pub fn holding_low_priority(&self, now: Instant) -> bool {
-        self.window(now, Duration::from_secs(300))
-            .amplification
-            .is_some_and(|a| a > self.hold_above)
+        Self::holds(&self.window(now, Duration::from_secs(300)), self.hold_above)
+    }
+
+    fn holds(w: &WindowFigures, above: f64) -> bool {
+        w.requests >= HOLD_MIN_REQUESTS && w.amplification.is_some_and(|a| a > above)
     }
 
     pub fn view(&self, now: Instant) -> AmplificationView {
         let last_5m = self.window(now, Duration::from_secs(300));
         AmplificationView {
             last_1m: self.window(now, Duration::from_secs(60)),
-            holding_low_priority: last_5m.amplification.is_some_and(|a| a > self.hold_above),
+            holding_low_priority: Self::holds(&last_5m, self.hold_above),
             last_5m,
             last_1h: self.window(now, Duration::from_secs(3600)),
         }

@@ -397,22 +397,29 @@ async fn f5_amplification_and_post_retry_success_per_window() {
         a.finished(3, false, Instant::now());
     }
     advance(Duration::from_secs(30 * 60)).await;
-    // Now: 8 first-time successes, 2 retried once (one succeeded).
-    for _ in 0..8 {
+    // Now: 16 first-time successes, 4 retried once (two succeeded).
+    for _ in 0..16 {
         a.finished(1, true, Instant::now());
     }
-    a.finished(2, true, Instant::now());
-    a.finished(2, false, Instant::now());
+    for ok in [true, false, true, false] {
+        a.finished(2, ok, Instant::now());
+    }
     let v = a.view(Instant::now());
     assert_eq!(v.last_1m.amplification, Some(1.2));
     assert_eq!(v.last_1m.post_retry_success, Some(0.5));
-    assert_eq!((v.last_1h.requests, v.last_1h.attempts), (20, 42));
+    assert_eq!((v.last_1h.requests, v.last_1h.attempts), (30, 54));
     assert!(!v.holding_low_priority, "1.2 is the limit, not above it");
     a.finished(2, true, Instant::now());
     assert!(a.view(Instant::now()).holding_low_priority);
     advance(Duration::from_secs(31 * 60)).await;
     let v = a.view(Instant::now());
-    assert_eq!(v.last_1h.requests, 11, "the oldest bucket left the hour");
+    assert_eq!(v.last_1h.requests, 21, "the oldest bucket left the hour");
+    // Too few requests hold nothing, whatever their amplification.
+    let mut quiet = Amplification::new(Instant::now());
+    for _ in 0..19 {
+        quiet.finished(3, true, Instant::now());
+    }
+    assert!(!quiet.holding_low_priority(Instant::now()));
     assert_eq!(v.last_1m, WindowFigures::default());
 }
 
