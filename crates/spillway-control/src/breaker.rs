@@ -202,9 +202,7 @@ pub struct Breaker {
     failures: usize,
     run_429_since: Option<Instant>,
     waits: VecDeque<(Instant, Duration)>,
-    /// The route's normal latency (ms): the P95 of its last successful attempts while
-    /// closed (a P95 against a P95: one long answer among five probes is normal for LLMs),
-    /// frozen while it is open.
+    /// The normal latency a restart brought back, until new answers give one.
     normal_ms: Option<f64>,
     recent_ok: VecDeque<Duration>,
     reopened: u32,
@@ -251,6 +249,18 @@ impl Breaker {
             reopened: 0,
             probations: 0,
         }
+    }
+
+    /// The route's normal latency (ms): the P95 of its last successful attempts while
+    /// closed (a P95 against a P95: one long answer among five probes is normal for LLMs),
+    /// unchanged while it is open. Computed when asked (probation's end, the console), not
+    /// on every answer.
+    fn normal(&self) -> Option<f64> {
+        if self.recent_ok.is_empty() {
+            return self.normal_ms;
+        }
+        let mut v: Vec<Duration> = self.recent_ok.iter().copied().collect();
+        p95(&mut v).map(ms)
     }
 
     pub fn config(&self) -> &BreakerConfig {
@@ -407,8 +417,6 @@ impl Breaker {
                 if self.recent_ok.len() > NORMAL_SAMPLES {
                     self.recent_ok.pop_front();
                 }
-                let mut v: Vec<Duration> = self.recent_ok.iter().copied().collect();
-                self.normal_ms = p95(&mut v).map(ms);
             }
             _ => {}
         }
@@ -543,7 +551,7 @@ impl Breaker {
                 }
                 let mut l = std::mem::take(latencies);
                 let p = p95(&mut l).unwrap_or_default();
-                if let Some(normal) = self.normal_ms
+                if let Some(normal) = self.normal()
                     && ms(p) > normal * self.cfg.probe_p95_factor
                 {
                     let reason = format!(
@@ -660,7 +668,7 @@ impl Breaker {
             reason,
             probe_in_ms: probe_in,
             reopened: self.reopened,
-            normal_ms: self.normal_ms,
+            normal_ms: self.normal(),
         }
     }
 
@@ -738,7 +746,7 @@ impl Breaker {
             rate_limit_run_ms: self.cfg.rate_limit_run.as_millis() as u64,
             wait_p95_ms: wait_p95,
             wait_slo_ms: self.cfg.wait_slo.map(|d| d.as_millis() as u64),
-            normal_latency_ms: self.normal_ms,
+            normal_latency_ms: self.normal(),
             reopened: self.reopened,
         }
     }

@@ -685,7 +685,8 @@ fn cost_trigger(_st: &AppState) -> String {
 }
 
 /// Records what time alone changes: channels whose cool-down ended come back (D5), on the
-/// record like any other transition. Once a second; stops with the gateway.
+/// record like any other transition; and folds `/metrics`' raw histogram samples. Once a
+/// second; stops with the gateway.
 pub fn tick(st: &Arc<AppState>) {
     let weak = Arc::downgrade(st);
     tokio::spawn(async move {
@@ -703,6 +704,7 @@ pub fn tick(st: &Arc<AppState>) {
                     st.control.channel_moved(&st, c, t, "gateway");
                 }
             }
+            st.prom.upkeep();
         }
     });
 }

@@ -74,6 +74,13 @@ impl Prom {
         })
     }
 
+    /// Folds the histograms' raw samples into their buckets. The exporter keeps every
+    /// sample until then, so without a scraper (or between scrapes) this is what bounds
+    /// its memory.
+    pub fn upkeep(&self) {
+        self.handle.run_upkeep();
+    }
+
     /// The exposition, with counters and gauges read from the gateway now.
     pub fn render(&self, st: &AppState) -> String {
         self.with(|r| {
