@@ -14,8 +14,13 @@ use tokio::time::Instant;
 
 #[derive(Clone, Debug)]
 pub struct OutlierConfig {
-    /// Provider failures in a row that eject (Envoy's `consecutive_5xx`).
+    /// Provider failures in a row that eject (Envoy's `consecutive_5xx`)...
     pub consecutive_failures: u32,
+    /// ... when they also make up this share of its last `recent` answers: a channel that
+    /// fails a third of its calls meets a run of five now and then, and must not be taken
+    /// out for it; one that is dead is, at once (all its recent answers failed).
+    pub failure_share: f64,
+    pub recent: usize,
     /// The first cool-down; each further ejection in a row doubles it, up to the maximum.
     pub base_ejection: Duration,
     pub max_ejection: Duration,
@@ -32,6 +37,8 @@ impl Default for OutlierConfig {
     fn default() -> Self {
         OutlierConfig {
             consecutive_failures: 5,
+            failure_share: 0.6,
+            recent: 20,
             base_ejection: Duration::from_secs(30),
             max_ejection: Duration::from_secs(600),
             forget_after: Duration::from_secs(600),
@@ -83,6 +90,9 @@ pub struct Outlier {
     cfg: OutlierConfig,
     state: State,
     consecutive: u32,
+    /// The last answers, true for a provider failure, and how many of them failed.
+    recent: std::collections::VecDeque<bool>,
+    recent_failed: usize,
     ejections: u32,
     /// Peak-EWMA latency (ms) at `seen`, and the normal (ms).
     peak_ms: Option<f64>,
@@ -102,6 +112,8 @@ impl Outlier {
             cfg,
             state: State::Healthy { since: now },
             consecutive: 0,
+            recent: std::collections::VecDeque::new(),
+            recent_failed: 0,
             ejections: 0,
             peak_ms: None,
             normal_ms: None,
@@ -198,18 +210,49 @@ impl Outlier {
         }
     }
 
-    /// An attempt on the channel ended. Returns the ejection it caused.
-    pub fn observe(&mut self, outcome: Outcome, latency: Duration, now: Instant) -> Option<OutlierTransition> {
+    fn remember(&mut self, failed: bool) {
+        self.recent.push_back(failed);
+        self.recent_failed += usize::from(failed);
+        while self.recent.len() > self.cfg.recent.max(1) {
+            if self.recent.pop_front() == Some(true) {
+                self.recent_failed -= 1;
+            }
+        }
+    }
+
+    /// An attempt on the channel ended. Returns the ejection it caused. `may_eject` is
+    /// false when the channel is the last of its group in rotation among several: the
+    /// route's breaker protects the upstream then, and ejecting it would only turn a
+    /// degraded route into a dead one.
+    pub fn observe(
+        &mut self,
+        outcome: Outcome,
+        latency: Duration,
+        now: Instant,
+        may_eject: bool,
+    ) -> Option<OutlierTransition> {
         self.advance(now);
+        if matches!(outcome, Outcome::Success | Outcome::ProviderFailure) {
+            self.remember(outcome == Outcome::ProviderFailure);
+        }
         match outcome {
             Outcome::ProviderFailure => {
                 self.consecutive += 1;
                 self.error_rate += (1.0 - self.error_rate) / 10.0;
+                let share = self.recent_failed as f64 / self.recent.len().max(1) as f64;
                 match self.state {
+                    _ if !may_eject => None,
                     State::Ejected { .. } => None,
                     State::Recovering { .. } => Some(self.eject("failed again while coming back".into(), now)),
-                    State::Healthy { .. } if self.consecutive >= self.cfg.consecutive_failures => {
-                        let why = format!("{} provider failures in a row", self.consecutive);
+                    State::Healthy { .. }
+                        if self.consecutive >= self.cfg.consecutive_failures && share >= self.cfg.failure_share =>
+                    {
+                        let why = format!(
+                            "{} provider failures in a row, {} of its last {} answers",
+                            self.consecutive,
+                            self.recent_failed,
+                            self.recent.len()
+                        );
                         Some(self.eject(why, now))
                     }
                     State::Healthy { .. } => None,

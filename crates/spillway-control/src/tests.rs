@@ -430,7 +430,7 @@ fn outlier() -> Outlier {
 fn fail(o: &mut Outlier, n: u32) -> Option<OutlierTransition> {
     let mut t = None;
     for _ in 0..n {
-        if let Some(x) = o.observe(Outcome::ProviderFailure, MS, Instant::now()) {
+        if let Some(x) = o.observe(Outcome::ProviderFailure, MS, Instant::now(), true) {
             t = Some(x);
         }
     }
@@ -442,7 +442,7 @@ async fn d5_ejections_grow_and_come_back_gradually() {
     // spec: D5
     let mut o = outlier();
     assert_eq!(fail(&mut o, 4), None);
-    o.observe(Outcome::Success, MS, Instant::now());
+    o.observe(Outcome::Success, MS, Instant::now(), true);
     assert_eq!(fail(&mut o, 4), None, "a success breaks the run");
     let t = fail(&mut o, 1).expect("5 in a row eject");
     assert!(t.ejected);
@@ -482,6 +482,33 @@ async fn d5_ejections_grow_and_come_back_gradually() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn d5_a_flaky_channel_is_not_ejected_for_a_run_a_dead_one_is_and_the_last_one_never() {
+    // spec: D5
+    // Healthy for a while, then a run of five: 5 of its last 20 answers failed. It stays.
+    let mut o = outlier();
+    for _ in 0..15 {
+        o.observe(Outcome::Success, MS, Instant::now(), true);
+    }
+    assert_eq!(fail(&mut o, 5), None);
+    assert!(o.ejected(Instant::now()).is_none());
+    // It keeps failing: at 12 in a row, 12 of its last 20, it leaves.
+    let t = fail(&mut o, 7).expect("ejected");
+    assert!(
+        t.reason
+            .contains("12 provider failures in a row, 12 of its last 20 answers"),
+        "{}",
+        t.reason
+    );
+    // The last channel in rotation of its group is never ejected by its failures.
+    let mut last = outlier();
+    for _ in 0..30 {
+        assert_eq!(last.observe(Outcome::ProviderFailure, MS, Instant::now(), false), None);
+    }
+    assert!(last.ejected(Instant::now()).is_none());
+    assert!(last.share(Instant::now()) < 0.1, "its share says what its errors are");
+}
+
+#[tokio::test(start_paused = true)]
 async fn d5_an_ejection_survives_a_restart() {
     // spec: D5
     let mut o = outlier();
@@ -497,13 +524,13 @@ async fn d4_twice_its_normal_latency_cuts_a_channels_share() {
     // spec: D4
     let mut o = outlier();
     for _ in 0..600 {
-        o.observe(Outcome::Success, 100 * MS, Instant::now());
+        o.observe(Outcome::Success, 100 * MS, Instant::now(), true);
         advance(Duration::from_secs(1)).await;
     }
     assert!((o.share(Instant::now()) - 1.0).abs() < 1e-6);
     // Now twice as slow for a few seconds: the peak jumps, the normal barely moves.
     for _ in 0..3 {
-        o.observe(Outcome::Success, 200 * MS, Instant::now());
+        o.observe(Outcome::Success, 200 * MS, Instant::now(), true);
         advance(Duration::from_millis(100)).await;
     }
     let s = o.share(Instant::now());
@@ -514,8 +541,8 @@ async fn d4_twice_its_normal_latency_cuts_a_channels_share() {
     // Errors lower it too.
     let mut e = outlier();
     for _ in 0..3 {
-        e.observe(Outcome::ProviderFailure, MS, Instant::now());
-        e.observe(Outcome::Success, MS, Instant::now());
+        e.observe(Outcome::ProviderFailure, MS, Instant::now(), true);
+        e.observe(Outcome::Success, MS, Instant::now(), true);
     }
     assert!(e.share(Instant::now()) < 0.8);
 }

@@ -166,7 +166,15 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
             Attempt::Failed { signal, .. } => crate::control::outcome_of(signal),
         };
         let latency = started.elapsed();
-        if let Some(t) = channel.health.observe_outcome(health, latency, Instant::now()) {
+        let now = Instant::now();
+        // D5: a channel alone in its group may leave rotation (its upstream is protected);
+        // among several, not the last one in rotation (the route's breaker takes over).
+        let may_eject = ctx.candidates.len() <= 1
+            || ctx
+                .candidates
+                .iter()
+                .any(|c| !Arc::ptr_eq(c, &channel) && c.health.check(0, now).is_ok());
+        if let Some(t) = channel.health.observe_outcome(health, latency, now, may_eject) {
             st.control.channel_moved(&st, &channel, t, "gateway");
         }
         ctx.route.on_attempt(&st, health, latency, ctx.probe.as_mut());

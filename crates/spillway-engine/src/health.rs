@@ -265,10 +265,18 @@ impl Health {
 
     /// D4, D5: an attempt's outcome and latency. Returns an ejection it caused, or a
     /// return to rotation that time brought.
-    pub fn observe_outcome(&self, outcome: Outcome, latency: Duration, now: Instant) -> Option<OutlierTransition> {
+    /// `may_eject` is false for the last channel of a group in rotation (see
+    /// [`Outlier::observe`]).
+    pub fn observe_outcome(
+        &self,
+        outcome: Outcome,
+        latency: Duration,
+        now: Instant,
+        may_eject: bool,
+    ) -> Option<OutlierTransition> {
         self.with(|i| {
             let back = i.outlier.advance(now);
-            i.outlier.observe(outcome, latency, now).or(back)
+            i.outlier.observe(outcome, latency, now, may_eject).or(back)
         })
     }
 

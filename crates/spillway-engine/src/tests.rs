@@ -1000,7 +1000,7 @@ async fn g4_breaker_and_ejection_survive_a_restart() {
             if let Some(t) =
                 st.channels[0]
                     .health
-                    .observe_outcome(Outcome::ProviderFailure, Duration::ZERO, Instant::now())
+                    .observe_outcome(Outcome::ProviderFailure, Duration::ZERO, Instant::now(), true)
             {
                 st.control.channel_moved(&st, &st.channels[0], t, "gateway");
             }
@@ -1031,7 +1031,7 @@ async fn d4_a_channel_at_twice_its_normal_latency_gets_fewer_new_conversations()
     for _ in 0..300 {
         for c in &st.channels {
             c.health
-                .observe_outcome(Outcome::Success, Duration::from_millis(100), Instant::now());
+                .observe_outcome(Outcome::Success, Duration::from_millis(100), Instant::now(), true);
         }
         tokio::time::advance(Duration::from_secs(1)).await;
     }
@@ -1048,7 +1048,7 @@ async fn d4_a_channel_at_twice_its_normal_latency_gets_fewer_new_conversations()
     for _ in 0..3 {
         st.channels[0]
             .health
-            .observe_outcome(Outcome::Success, Duration::from_millis(200), Instant::now());
+            .observe_outcome(Outcome::Success, Duration::from_millis(200), Instant::now(), true);
         tokio::time::advance(Duration::from_millis(50)).await;
     }
     let share = st.channels[0].health.view(Instant::now()).share;
@@ -1076,7 +1076,7 @@ async fn d4_d5_a_conversation_sticks_to_its_channel_until_it_leaves_rotation() {
     let ch = st.channels.iter().find(|c| c.cfg.name == home).unwrap();
     for _ in 0..5 {
         ch.health
-            .observe_outcome(Outcome::ProviderFailure, Duration::ZERO, Instant::now());
+            .observe_outcome(Outcome::ProviderFailure, Duration::ZERO, Instant::now(), true);
     }
     let (resp, _, _) = drive(&st, &Scripted::default()).await;
     let moved = resp.headers()["x-spillway-channel"].to_str().unwrap().to_owned();
