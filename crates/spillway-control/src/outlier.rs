@@ -284,12 +284,16 @@ impl Outlier {
             }
             _ => l,
         });
+        // The normal follows the same estimate over a much longer time: a peak-EWMA sits
+        // above the plain mean whenever answers vary, so against the mean every healthy
+        // channel would look slow.
+        let peak = self.peak_ms.unwrap_or(l);
         self.normal_ms = Some(match self.normal_ms {
             Some(n) => {
                 let w = decay(self.cfg.normal_tau);
-                n * w + l * (1.0 - w)
+                n * w + peak * (1.0 - w)
             }
-            None => l,
+            None => peak,
         });
     }
 
