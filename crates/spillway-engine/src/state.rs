@@ -151,16 +151,36 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// Raises an alert; with nobody listening it is only logged.
+    /// Raises an alert: to every subscriber (consoles, the desktop), to the configured
+    /// webhook (G4), and to the log.
     pub fn alert(&self, severity: Severity, title: String, body: String, subject: Option<String>) {
         tracing::warn!(?severity, subject = subject.as_deref().unwrap_or(""), "{title}: {body}");
-        let _ = self.alerts.send(OperatorAlert {
+        let alert = OperatorAlert {
             at: crate::clock::now(),
             severity,
             title,
             body,
             subject,
-        });
+        };
+        if let (Some(url), Ok(rt)) = (&self.config.alert_webhook_url, tokio::runtime::Handle::try_current()) {
+            // Through the upstream client (no redirects, no desktop proxy), bounded, and
+            // never waited for: an alert must not hold the request that raised it. The URL
+            // may carry a token: it is never logged.
+            let req = self
+                .client
+                .post(&url.0)
+                .timeout(Duration::from_secs(5))
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(serde_json::to_vec(&alert).unwrap_or_default());
+            rt.spawn(async move {
+                match req.send().await {
+                    Ok(r) if r.status().is_success() => {}
+                    Ok(r) => tracing::warn!(status = r.status().as_u16(), "the alert webhook refused an alert"),
+                    Err(e) => tracing::warn!(error = %e.without_url(), "the alert webhook could not be reached"),
+                }
+            });
+        }
+        let _ = self.alerts.send(alert);
     }
 
     /// The upstream HTTP client: no redirects (a redirect would carry the channel's key

@@ -1170,6 +1170,47 @@ async fn n4_metrics_are_prometheus_text_with_bounded_labels() {
 }
 
 #[tokio::test]
+async fn g4_a_breaker_opening_is_posted_to_the_alert_webhook() {
+    // spec: G4
+    let got: Arc<Mutex<Vec<serde_json::Value>>> = Arc::default();
+    let keep = got.clone();
+    let app = axum::Router::new().route(
+        "/hook/{token}",
+        axum::routing::post(move |body: Bytes| {
+            let keep = keep.clone();
+            async move {
+                keep.lock()
+                    .unwrap()
+                    .push(serde_json::from_slice(&body).unwrap_or_default());
+                "ok"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hook = format!("http://{}/hook/t0ken", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let gw = serve(
+        config(&format!("alert_webhook_url: {hook}"), &[("a", 4)]),
+        Ledger::start(Arc::new(Memory::default())),
+        Scripted::default(),
+    )
+    .await;
+    let st = gw.state.clone();
+    let route = st.control.route(&st, Format::OpenAi, "m");
+    st.control.force(&st, &route, true, "ops", "drill").await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while got.lock().unwrap().is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let alerts = got.lock().unwrap().clone();
+    assert_eq!(alerts.len(), 1, "{alerts:?}");
+    assert_eq!(alerts[0]["title"], "Breaker open on openai/m");
+    assert_eq!(alerts[0]["severity"], "critical");
+    assert_eq!(alerts[0]["subject"], "openai/m");
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
 async fn n4_a_metrics_token_is_required_when_configured() {
     // spec: N4
     let gw = serve(

@@ -81,6 +81,9 @@ struct RawConfig {
     /// A bearer token `/metrics` asks for; without one it is open (on loopback).
     #[serde(default)]
     metrics_token: Option<S<String>>,
+    /// Where operator alerts are also POSTed as JSON (G4).
+    #[serde(default)]
+    alert_webhook_url: Option<S<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -229,6 +232,19 @@ pub struct Config {
     pub control: ControlSettings,
     /// The SHA-256 of the bearer token `/metrics` asks for, when set (never the token).
     pub metrics_token: Option<KeySecret>,
+    /// G4: operator alerts are also POSTed here as JSON. It may carry a token, so it is
+    /// never logged (hence no Debug of its own value).
+    pub alert_webhook_url: Option<WebhookUrl>,
+}
+
+/// A webhook's URL: shown as `<webhook>` in debug output, as it often carries a token.
+#[derive(Clone, PartialEq, Eq)]
+pub struct WebhookUrl(pub String);
+
+impl std::fmt::Debug for WebhookUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WebhookUrl(<redacted>)")
+    }
 }
 
 /// The control plane's settings (F4, G1).
@@ -1113,12 +1129,27 @@ impl RawConfig {
             None => None,
         };
 
+        let alert_webhook_url = match &self.alert_webhook_url {
+            Some(u) => {
+                let v = u.value.trim();
+                let ok = (v.starts_with("https://") || v.starts_with("http://"))
+                    && v.len() > "https://".len()
+                    && !v.chars().any(|c| c.is_whitespace() || c.is_control());
+                if !ok {
+                    cx.err(u, "alert_webhook_url", "must be an http:// or https:// URL");
+                }
+                Some(WebhookUrl(v.to_owned()))
+            }
+            None => None,
+        };
+
         if !cx.errors.is_empty() {
             return Err(ConfigErrors(cx.errors));
         }
         Ok(Config {
             control,
             metrics_token,
+            alert_webhook_url,
             listen,
             listen_warning,
             allowed_hosts,
@@ -1219,6 +1250,19 @@ owners:
         assert_eq!(c.control.wait_slo_ms("openai/fast"), Some(500));
         assert_eq!(c.control.wait_slo_ms("openai/other"), Some(4000));
         assert_eq!(c.metrics_token, Some(hash_secret("a-long-enough-token-123")));
+        let c = parse(&format!("alert_webhook_url: https://hooks.example/t/SECRET123\n{GOOD}")).unwrap();
+        assert_eq!(
+            c.alert_webhook_url.as_ref().unwrap().0,
+            "https://hooks.example/t/SECRET123"
+        );
+        assert!(!format!("{c:?}").contains("SECRET123"));
+        let e = parse(&format!("alert_webhook_url: hooks.example\n{GOOD}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("alert_webhook_url: must be an http:// or https:// URL"),
+            "{e}"
+        );
         assert!(!format!("{c:?}").contains("a-long-enough-token-123"));
         let e = parse(&format!(
             "control:\n  retry_budget_percent: 120\n  route_wait_slo_ms:\n    fast: 500\nmetrics_token: short\n{GOOD}"
