@@ -1169,26 +1169,34 @@ async fn n4_metrics_are_prometheus_text_with_bounded_labels() {
     gw.shutdown().await.unwrap();
 }
 
-#[tokio::test]
-async fn g4_a_breaker_opening_is_posted_to_the_alert_webhook() {
-    // spec: G4
+/// A server on a loopback port that keeps the JSON body of every POST to `route`: its
+/// base URL and what it received.
+async fn receiver(route: &str) -> (String, Arc<Mutex<Vec<serde_json::Value>>>) {
     let got: Arc<Mutex<Vec<serde_json::Value>>> = Arc::default();
     let keep = got.clone();
     let app = axum::Router::new().route(
-        "/hook/{token}",
+        route,
         axum::routing::post(move |body: Bytes| {
             let keep = keep.clone();
             async move {
                 keep.lock()
                     .unwrap()
                     .push(serde_json::from_slice(&body).unwrap_or_default());
-                "ok"
+                "{}"
             }
         }),
     );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let hook = format!("http://{}/hook/t0ken", listener.local_addr().unwrap());
+    let base = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
+    (base, got)
+}
+
+#[tokio::test]
+async fn g4_a_breaker_opening_is_posted_to_the_alert_webhook() {
+    // spec: G4
+    let (base, got) = receiver("/hook/{token}").await;
+    let hook = format!("{base}/hook/t0ken");
     let gw = serve(
         config(&format!("alert_webhook_url: {hook}"), &[("a", 4)]),
         Ledger::start(Arc::new(Memory::default())),
@@ -1247,23 +1255,7 @@ async fn n4_a_metrics_token_is_required_when_configured() {
 async fn n1_each_request_is_a_trace_span_with_a_child_per_attempt() {
     // spec: N1, A6
     // A collector on loopback that keeps every OTLP/JSON export it receives.
-    let got: Arc<Mutex<Vec<serde_json::Value>>> = Arc::default();
-    let keep = got.clone();
-    let app = axum::Router::new().route(
-        "/v1/traces",
-        axum::routing::post(move |body: Bytes| {
-            let keep = keep.clone();
-            async move {
-                keep.lock()
-                    .unwrap()
-                    .push(serde_json::from_slice(&body).unwrap_or_default());
-                "{}"
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let collector = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let (collector, got) = receiver("/v1/traces").await;
 
     let caller = Scripted::with(&[("a", fail(503, ErrorClass::Overload, None))]);
     let gw = crate::start_with(
