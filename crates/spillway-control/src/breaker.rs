@@ -348,16 +348,11 @@ impl Breaker {
             ));
         }
         let probes = self.cfg.probes;
+        let retry = self.retry_after(now).unwrap_or_default();
         let a = match &mut self.state {
             State::Closed => Admission::Send,
-            State::Open {
-                probe_at,
-                reason,
-                trigger,
-            } => Admission::Refuse {
-                // An operator's breaker has no time; a minute is an honest guess at when
-                // asking again is worth it.
-                retry_after: probe_at.map_or(Duration::from_secs(60), |at| at.saturating_duration_since(now)),
+            State::Open { reason, trigger, .. } => Admission::Refuse {
+                retry_after: retry,
                 // An operator's own words are for operators (the audit log, the console),
                 // not for every API client.
                 reason: if *trigger == Trigger::Operator {
@@ -647,20 +642,41 @@ impl Breaker {
         ))
     }
 
-    pub fn snapshot(&self, now: Instant) -> BreakerSnapshot {
-        let (trigger, reason, probe_in) = match &self.state {
-            State::Closed => (None, None, None),
+    /// An open breaker's trigger, reason and milliseconds to its first probe (none when
+    /// only an operator closes it).
+    fn open_fields(&self, now: Instant) -> Option<(Trigger, String, Option<u64>)> {
+        match &self.state {
             State::Open {
                 probe_at,
                 trigger,
                 reason,
-            } => (
-                Some(*trigger),
-                Some(reason.clone()),
+            } => Some((
+                *trigger,
+                reason.clone(),
                 probe_at.map(|at| at.saturating_duration_since(now).as_millis() as u64),
-            ),
+            )),
+            _ => None,
+        }
+    }
+
+    /// When a client may ask again: None while closed; cheap, for the request path.
+    pub fn retry_after(&self, now: Instant) -> Option<Duration> {
+        match &self.state {
+            State::Closed => None,
+            // An operator's breaker has no time; a minute is an honest guess.
+            State::Open { probe_at, .. } => {
+                Some(probe_at.map_or(Duration::from_secs(60), |at| at.saturating_duration_since(now)))
+            }
+            State::Probation { .. } => Some(Duration::from_secs(1)),
+        }
+    }
+
+    pub fn snapshot(&self, now: Instant) -> BreakerSnapshot {
+        let (trigger, reason, probe_in) = match (&self.state, self.open_fields(now)) {
+            (_, Some((t, r, p))) => (Some(t), Some(r), p),
             // A probation cut by a restart starts again from its first probe.
-            State::Probation { .. } => (Some(Trigger::CoolDownOver), None, Some(0)),
+            (State::Probation { .. }, _) => (Some(Trigger::CoolDownOver), None, Some(0)),
+            _ => (None, None, None),
         };
         BreakerSnapshot {
             state: self.state(),
@@ -699,20 +715,13 @@ impl Breaker {
 
     pub fn view(&mut self, now: Instant) -> BreakerView {
         let wait_p95 = self.wait_p95(now).map(ms);
+        let open = self.open_fields(now);
         let (trigger, reason, probe_in, passed, sent, in_flight) = match &self.state {
             State::Closed => (None, None, None, 0, 0, false),
-            State::Open {
-                probe_at,
-                trigger,
-                reason,
-            } => (
-                Some(*trigger),
-                Some(reason.clone()),
-                probe_at.map(|at| at.saturating_duration_since(now).as_millis() as u64),
-                0,
-                0,
-                false,
-            ),
+            State::Open { .. } => {
+                let (t, r, p) = open.expect("open");
+                (Some(t), Some(r), p, 0, 0, false)
+            }
             State::Probation {
                 sent,
                 passed,

@@ -188,14 +188,8 @@ impl RouteControl {
     /// When an open breaker's next probe is due, if it is open with one due.
     pub fn retry_after(&self) -> Option<Duration> {
         let now = Instant::now();
-        self.with(|i| {
-            let v = i.breaker.view(now);
-            match v.state {
-                BreakerState::Open => Some(Duration::from_millis(v.probe_in_ms.unwrap_or(60_000))),
-                BreakerState::Probation => Some(Duration::from_secs(1)),
-                BreakerState::Closed => None,
-            }
-        })
+        // On the request path after every capacity wait: no figures computed here.
+        self.with(|i| i.breaker.retry_after(now))
     }
 
     /// Whether automatic sending may go on (a failed attempt may be followed by another).
