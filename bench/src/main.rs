@@ -125,11 +125,11 @@ async fn ledger_search(rows: u64) -> Result<Vec<SearchTiming>> {
         }
         batch.push(r);
         if batch.len() == 2000 {
-            backend.write_batch(&batch, &[]).await?;
+            backend.write_batch(&batch, &[], &[]).await?;
             batch.clear();
         }
     }
-    backend.write_batch(&batch, &[]).await?;
+    backend.write_batch(&batch, &[], &[]).await?;
     eprintln!("filled in {:.1} s", started.elapsed().as_secs_f64());
     let last = rows.saturating_sub(1);
     let mut out = Vec::new();
@@ -225,7 +225,7 @@ async fn commit_cost(commits: u64) -> Result<Vec<CommitCost>> {
             let mut r = RequestRecord::received(id.clone(), id, Format::OpenAi, "/v1/chat/completions", UnixMs(1));
             r.state = RequestState::CallingApi;
             let t = Instant::now();
-            backend.write_batch(&[r], &[]).await?;
+            backend.write_batch(&[r], &[], &[]).await?;
             hist.record(t.elapsed().as_micros().max(1) as u64)?;
         }
         out.push(CommitCost {

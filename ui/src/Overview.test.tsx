@@ -13,6 +13,7 @@ const overview: Overview = {
   control: [],
   rejections: [{ at: 1_780_000_000_000, reason: 'forbidden_host', format: 'openai', peer: '127.0.0.1' }],
   ledger: { ok: false, failing_since: 1_779_999_990_000, error: 'database or disk is full', waiting: 42 },
+  ledger_figures: null,
 }
 
 vi.mock('./useLive', () => ({

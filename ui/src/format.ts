@@ -103,6 +103,10 @@ const GATEWAY_CLASS: Record<GatewayClass, string> = {
   shutdown: 'gateway shutting down',
   interrupted: 'cut by a stop (outcome unknown)',
   internal_error: 'gateway bug (panic)',
+  idempotency_key_reused: 'Idempotency-Key reused with another body',
+  idempotency_in_progress: 'Idempotency-Key still in progress',
+  idempotency_unknown: 'Idempotency-Key outcome unknown',
+  idempotency_completed: 'Idempotency-Key completed, response not kept',
 }
 
 export function failureClass(c: FailureClass | null): string {

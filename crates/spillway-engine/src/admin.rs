@@ -15,7 +15,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
-use spillway_ledger::{AttemptRecord, AuditEntry, LedgerHealth, RequestRecord, Search};
+use spillway_ledger::{
+    AttemptRecord, AuditEntry, LedgerFigures, LedgerHealth, PruneReport, Reconcile, Reconciliation, RequestRecord,
+    Search,
+};
 use spillway_wire::{Format, UnixMs};
 use std::convert::Infallible;
 use std::path::Path as FsPath;
@@ -112,6 +115,8 @@ pub struct Overview {
     pub rejections: Vec<Rejection>,
     /// Whether the ledger is taking writes.
     pub ledger: LedgerHealth,
+    /// Unknown outcomes and duplicates per route, and the ledger's size (N1, I6).
+    pub ledger_figures: Option<LedgerFigures>,
 }
 
 /// One live update: the newest second and the current tables.
@@ -125,6 +130,7 @@ pub struct Tick {
     pub control: Vec<RouteControlView>,
     pub rejections: Vec<Rejection>,
     pub ledger: LedgerHealth,
+    pub ledger_figures: Option<LedgerFigures>,
 }
 
 /// A request with every attempt.
@@ -172,7 +178,12 @@ fn overview(st: &AppState) -> Overview {
         control: st.control.views(st),
         rejections: st.metrics.rejections(),
         ledger: st.ledger.health(),
+        ledger_figures: figures(st),
     }
+}
+
+fn figures(st: &AppState) -> Option<LedgerFigures> {
+    st.ledger_figures.read().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
 fn tick(st: &AppState) -> Tick {
@@ -196,6 +207,7 @@ fn tick(st: &AppState) -> Tick {
         control: st.control.views(st),
         rejections: st.metrics.rejections(),
         ledger: st.ledger.health(),
+        ledger_figures: figures(st),
     }
 }
 
@@ -454,8 +466,160 @@ async fn audit(State(st): State<Arc<AppState>>, Query(q): Query<AuditQuery>) -> 
     }
 }
 
+/// The unknown-outcome inbox's filter.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnknownsQuery {
+    pub limit: Option<u32>,
+}
+
+/// I4: the requests whose outcome is unknown, newest first, each with its evidence (its
+/// attempts: channels, upstream request ids, times, errors).
+async fn unknowns(State(st): State<Arc<AppState>>, Query(q): Query<UnknownsQuery>) -> Response {
+    let list = match st.ledger.unknowns(q.limit.unwrap_or(100).clamp(1, 500)).await {
+        Ok(l) => l,
+        Err(e) => return admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger read failed: {e}")),
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for request in list {
+        match st.ledger.attempts(&request.id).await {
+            Ok(attempts) => out.push(RequestDetail { request, attempts }),
+            Err(e) => return admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger read failed: {e}")),
+        }
+    }
+    axum::Json(out).into_response()
+}
+
+/// A result id an owner attaches: printable, bounded.
+fn checked_result_id(r: &Reconcile) -> Result<Option<String>, String> {
+    let id = r.result_id.as_deref().map(str::trim).filter(|v| !v.is_empty());
+    match (r.outcome, id) {
+        (Reconciliation::ConfirmedDone, None) => Err(
+            "`result_id`: confirming a request as done needs the result it produced (a response id, a message id)."
+                .into(),
+        ),
+        (_, Some(v)) if v.chars().count() > 256 || v.chars().any(char::is_control) => {
+            Err("`result_id`: 1-256 printable characters.".into())
+        }
+        (_, v) => Ok(v.map(str::to_owned)),
+    }
+}
+
+/// I4: an owner reconciles an unknown request, with name and reason, audited. "Confirmed
+/// not executed" lets its idempotency key run again; "confirmed done" never will.
+async fn reconcile(State(st): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Bytes) -> Response {
+    let r: Reconcile = match json_body(&body) {
+        Ok(r) => r,
+        Err(m) => return unprocessable(m),
+    };
+    let (actor, reason) = match checked(&r.actor, &r.reason) {
+        Ok(v) => v,
+        Err(m) => return unprocessable(m),
+    };
+    let result_id = match checked_result_id(&r) {
+        Ok(v) => v,
+        Err(m) => return unprocessable(m),
+    };
+    if id.len() > 64 {
+        return admin_error(StatusCode::NOT_FOUND, "No request with that id.");
+    }
+    let r = Reconcile {
+        outcome: r.outcome,
+        result_id,
+        actor,
+        reason,
+    };
+    match st.ledger.reconcile(&id, &r, clock::now()).await {
+        Ok(rec) => {
+            tracing::warn!(request_id = %id, actor = %r.actor, outcome = r.outcome.as_str(), "unknown request reconciled");
+            axum::Json(rec).into_response()
+        }
+        Err(spillway_ledger::Error::NotFound) => admin_error(StatusCode::NOT_FOUND, "No request with that id."),
+        Err(spillway_ledger::Error::Conflict(m)) => admin_error(StatusCode::CONFLICT, m),
+        Err(e) => admin_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the ledger could not record the reconciliation: {e}"),
+        ),
+    }
+}
+
+/// The ledger's figures, computed now.
+async fn ledger_figures(State(st): State<Arc<AppState>>) -> Response {
+    let now = clock::now();
+    let since = UnixMs(now.0.saturating_sub(st.config.idempotency.window_ms as i64));
+    match st.ledger.figures(since).await {
+        Ok(f) => {
+            *st.ledger_figures.write().unwrap_or_else(|p| p.into_inner()) = Some(f.clone());
+            axum::Json(f).into_response()
+        }
+        Err(e) => admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger read failed: {e}")),
+    }
+}
+
+/// A prune from the console: expired response copies, and finished requests older than
+/// `older_than_days` when given.
+#[derive(Clone, Debug, Deserialize, TS)]
+#[serde(deny_unknown_fields)]
+pub struct PruneAction {
+    pub actor: String,
+    pub reason: String,
+    #[serde(default)]
+    pub older_than_days: Option<u32>,
+}
+
+/// I6: prunes the ledger while it serves (no vacuum: the file keeps its size and reuses
+/// the space), on the audit log.
+async fn prune(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    let a: PruneAction = match json_body(&body) {
+        Ok(a) => a,
+        Err(m) => return unprocessable(m),
+    };
+    let (actor, reason) = match checked(&a.actor, &a.reason) {
+        Ok(v) => v,
+        Err(m) => return unprocessable(m),
+    };
+    if a.older_than_days == Some(0) {
+        return unprocessable("`older_than_days`: at least 1 (today's requests are never pruned).".into());
+    }
+    let now = clock::now();
+    let before = a
+        .older_than_days
+        .map(|d| UnixMs(now.0.saturating_sub(i64::from(d) * 86_400_000)));
+    let report: PruneReport = match st.ledger.prune(now, before, false).await {
+        Ok(r) => r,
+        Err(e) => return admin_error(StatusCode::SERVICE_UNAVAILABLE, format!("prune failed: {e}")),
+    };
+    let entry = AuditEntry {
+        id: 0,
+        at: now,
+        kind: "ledger".into(),
+        subject: "prune".into(),
+        actor,
+        action: "pruned".into(),
+        trigger: a
+            .older_than_days
+            .map(|d| format!("finished requests older than {d} day(s)")),
+        reason,
+        figures: Some(format!(
+            r#"[{{"name":"payloads","value":{}}},{{"name":"requests","value":{}}},{{"name":"attempts","value":{}}}]"#,
+            report.payloads, report.requests, report.attempts
+        )),
+    };
+    if let Err(e) = st.ledger.record_transition(None, &entry).await {
+        return admin_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("pruned, but the audit log could not record it: {e}"),
+        );
+    }
+    axum::Json(report).into_response()
+}
+
 pub fn router(st: Arc<AppState>) -> Router<Arc<AppState>> {
     Router::new()
+        .route("/admin/v1/unknowns", get(unknowns))
+        .route("/admin/v1/requests/{id}/reconcile", post(reconcile))
+        .route("/admin/v1/ledger", get(ledger_figures))
+        .route("/admin/v1/ledger/prune", post(prune))
         .route("/admin/v1/channels/{name}/restore", post(restore_channel))
         .route("/admin/v1/breakers/open", post(open_breaker))
         .route("/admin/v1/breakers/close", post(close_breaker))

@@ -93,6 +93,33 @@ pub enum GatewayError {
     NotFound,
     #[error("This endpoint does not accept this method.")]
     MethodNotAllowed,
+    /// I2: a malformed `Idempotency-Key` header.
+    #[error("`Idempotency-Key`: expected 1-255 printable ASCII characters.")]
+    InvalidIdempotencyKey,
+    /// I2: the key was used before with another request.
+    #[error(
+        "`Idempotency-Key` conflict: this key was already used with a different request body, model or endpoint (request {original}). Use a new key for a new request."
+    )]
+    IdempotencyKeyReused { original: String },
+    /// I2: the request under the key is still running.
+    #[error(
+        "A request with this `Idempotency-Key` is still in progress (request {original}, state `{state}`); nothing was sent again. Retry later to get its result."
+    )]
+    IdempotencyInProgress { original: String, state: &'static str },
+    /// I2, L3: the request under the key has an unknown outcome.
+    #[error(
+        "The request with this `Idempotency-Key` (request {original}) is in state `unknown`: the gateway stopped while it was calling the provider, so whether it ran is not known. Nothing is sent again until an owner reconciles it in the console."
+    )]
+    IdempotencyUnknown { original: String },
+    /// I2: the request under the key completed but its response copy is not kept.
+    #[error(
+        "The request with this `Idempotency-Key` (request {original}) completed{}, but its response is not kept (too large to store, or confirmed by an owner); it is not sent again.",
+        result_id.as_deref().map(|r| format!(" with result id {r}")).unwrap_or_default()
+    )]
+    IdempotencyNotKept {
+        original: String,
+        result_id: Option<String>,
+    },
     /// The upstream failed; `kind` is what the client should see. `futile` says that a
     /// client retry cannot help either (an unknown signal held for a person, E2), so the
     /// answer carries `x-should-retry: false` even though its status is retryable.
@@ -113,7 +140,13 @@ impl GatewayError {
             GatewayError::UnsupportedMediaType => ErrorKind::UnsupportedMediaType,
             GatewayError::PayloadTooLarge { .. } => ErrorKind::PayloadTooLarge,
             GatewayError::BodyTimeout { .. } => ErrorKind::RequestTimeout,
-            GatewayError::InvalidRequest(_) | GatewayError::BodyRead => ErrorKind::InvalidRequest,
+            GatewayError::InvalidRequest(_) | GatewayError::BodyRead | GatewayError::InvalidIdempotencyKey => {
+                ErrorKind::InvalidRequest
+            }
+            GatewayError::IdempotencyKeyReused { .. } => ErrorKind::Unprocessable,
+            GatewayError::IdempotencyInProgress { .. }
+            | GatewayError::IdempotencyUnknown { .. }
+            | GatewayError::IdempotencyNotKept { .. } => ErrorKind::Conflict,
             GatewayError::NoChannel { .. } | GatewayError::NotFound => ErrorKind::NotFound,
             GatewayError::MethodNotAllowed => ErrorKind::MethodNotAllowed,
             GatewayError::CapacityBusy { .. }
@@ -141,7 +174,13 @@ impl GatewayError {
             GatewayError::UnsupportedMediaType => GatewayClass::UnsupportedMediaType,
             GatewayError::PayloadTooLarge { .. } => GatewayClass::PayloadTooLarge,
             GatewayError::BodyTimeout { .. } => GatewayClass::BodyTimeout,
-            GatewayError::InvalidRequest(_) | GatewayError::BodyRead => GatewayClass::InvalidBody,
+            GatewayError::InvalidRequest(_) | GatewayError::BodyRead | GatewayError::InvalidIdempotencyKey => {
+                GatewayClass::InvalidBody
+            }
+            GatewayError::IdempotencyKeyReused { .. } => GatewayClass::IdempotencyKeyReused,
+            GatewayError::IdempotencyInProgress { .. } => GatewayClass::IdempotencyInProgress,
+            GatewayError::IdempotencyUnknown { .. } => GatewayClass::IdempotencyUnknown,
+            GatewayError::IdempotencyNotKept { .. } => GatewayClass::IdempotencyCompleted,
             GatewayError::NoChannel { .. } | GatewayError::NotFound | GatewayError::MethodNotAllowed => {
                 GatewayClass::NoChannel
             }
@@ -165,6 +204,11 @@ impl GatewayError {
             GatewayError::InvalidRequest(e) => e.field.as_deref(),
             GatewayError::NoChannel { .. } => Some("model"),
             GatewayError::UnsupportedMediaType => Some("content-type"),
+            GatewayError::InvalidIdempotencyKey
+            | GatewayError::IdempotencyKeyReused { .. }
+            | GatewayError::IdempotencyInProgress { .. }
+            | GatewayError::IdempotencyUnknown { .. }
+            | GatewayError::IdempotencyNotKept { .. } => Some("Idempotency-Key"),
             _ => None,
         }
     }
@@ -182,7 +226,11 @@ impl GatewayError {
             } if kind.retryable() => {
                 Some(retry_after_ms.map_or(1, |ms| retry_after_secs(std::time::Duration::from_millis(ms))))
             }
-            GatewayError::Internal | GatewayError::BodyTimeout { .. } | GatewayError::Interrupted => None,
+            GatewayError::Internal
+            | GatewayError::BodyTimeout { .. }
+            | GatewayError::Interrupted
+            | GatewayError::IdempotencyUnknown { .. }
+            | GatewayError::IdempotencyNotKept { .. } => None,
             _ if self.kind().retryable() => Some(1),
             _ => None,
         }
@@ -201,6 +249,8 @@ impl GatewayError {
             GatewayError::Upstream { futile: true, .. }
                 | GatewayError::NoChannelInRotation { .. }
                 | GatewayError::Interrupted
+                | GatewayError::IdempotencyUnknown { .. }
+                | GatewayError::IdempotencyNotKept { .. }
         );
         if !kind.retryable() || futile {
             h.insert("x-should-retry", HeaderValue::from_static("false"));

@@ -102,6 +102,11 @@ pub fn router_with<C: Caller>(state: Arc<AppState>, caller: Arc<C>) -> Router {
         .route("/v1/models/{model_action}", post(gemini))
         .route("/v1/models", get(list_models))
         .route("/v1beta/models", get(list_models_gemini))
+        .route(
+            "/spillway/v1/requests/{id}/side-effect",
+            post(crate::idempotency::side_effect_endpoint),
+        )
+        .route("/spillway/v1/requests/{id}", get(crate::idempotency::status_endpoint))
         .route("/healthz", get(|| async { "ok" }))
         .route("/metrics", get(metrics_endpoint))
         .merge(crate::admin::router(state.clone()))
@@ -171,7 +176,8 @@ fn format_for_path(path: &str) -> Format {
 /// API paths get a 404 in their format; anything else is the console.
 async fn fallback(State(st): State<Arc<AppState>>, method: Method, uri: Uri) -> Response {
     let p = uri.path();
-    let api = p.starts_with("/v1") || p.starts_with("/admin") || p.starts_with("/healthz");
+    let api =
+        p.starts_with("/v1") || p.starts_with("/admin") || p.starts_with("/healthz") || p.starts_with("/spillway");
     if !api && (method == Method::GET || method == Method::HEAD) {
         return st.console.serve(p).await;
     }
@@ -221,7 +227,7 @@ fn presented_key<'a>(format: Format, headers: &'a HeaderMap, uri: &'a Uri) -> Op
     }
 }
 
-fn authenticate(
+pub(crate) fn authenticate(
     st: &AppState,
     format: Format,
     headers: &HeaderMap,
@@ -347,6 +353,10 @@ async fn handle<C: Caller>(
     if !is_json(&parts.headers) {
         return life.close(End::refused(GatewayError::UnsupportedMediaType)).await;
     }
+    let idempotency_key = match crate::idempotency::key_of(&parts.headers) {
+        Ok(k) => k,
+        Err(e) => return life.close(End::refused(e)).await,
+    };
     let limit = st.config.max_body_bytes;
     if header_str(&parts.headers, "content-length")
         .and_then(|v| v.parse::<u64>().ok())
@@ -387,6 +397,19 @@ async fn handle<C: Caller>(
     life.rec.endpoint = endpoint(format, parts.uri.path(), parsed.stream).to_owned();
     life.rec.route = Some(format!("{format}/{}", parsed.model));
     life.set_route();
+    if st.config.store_prompts {
+        life.keep_prompt(bytes.clone());
+    }
+    // I2: a repeat of an `Idempotency-Key` is answered from the ledger and sends nothing
+    // upstream; a new key is claimed by this request.
+    if let Some(k) = idempotency_key {
+        use crate::idempotency::Verdict;
+        match crate::idempotency::check(&st, k.clone(), &life.rec).await {
+            Verdict::Run(claim) => life.run_idempotent(k, claim),
+            Verdict::Replay(found) => return life.close(End::Replay(found)).await,
+            Verdict::Refuse(e) => return life.close(End::refused(e)).await,
+        }
+    }
 
     // D4: a conversation stays on its channel; the client may name it, else its opening
     // messages do. A first turn is a new conversation, spread by weight and health (many

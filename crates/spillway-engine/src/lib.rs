@@ -17,6 +17,7 @@ pub mod control;
 pub mod error;
 pub mod failover;
 pub mod health;
+pub mod idempotency;
 pub mod ingress;
 pub mod life;
 pub mod limits;
@@ -190,6 +191,7 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
         tracing::info!(restored, "breaker and channel states restored from the ledger");
     }
     watch_ledger(&state);
+    ledger_upkeep(&state);
     control::tick(&state);
     let app = ingress::router_with(state.clone(), caller);
     let (done_tx, server_done) = watch::channel(false);
@@ -204,6 +206,61 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
         server_done,
         finishing: tokio::sync::Mutex::new(()),
     })
+}
+
+/// How often the ledger's figures (unknowns, duplicates, size) are recomputed.
+const FIGURES_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+/// How often expired payload copies are pruned (I6), in figure rounds: hourly.
+const PRUNE_EVERY_ROUNDS: u64 = 360;
+
+/// The ledger's own upkeep: its figures for the console, an alert when unknown outcomes
+/// wait for an owner (I4) or a key ran twice (N1), and the hourly prune of expired
+/// response copies (I6).
+fn ledger_upkeep(st: &Arc<AppState>) {
+    let weak = Arc::downgrade(st);
+    tokio::spawn(async move {
+        let (mut unknown, mut duplicates) = (0u64, 0u64);
+        for round in 0u64.. {
+            let Some(st) = weak.upgrade() else { return };
+            if st.shutdown.draining.is_cancelled() {
+                return;
+            }
+            let now = clock::now();
+            if round % PRUNE_EVERY_ROUNDS == PRUNE_EVERY_ROUNDS - 1 {
+                match st.ledger.prune(now, None, false).await {
+                    Ok(r) if r.payloads > 0 => tracing::info!(pruned = r.payloads, "expired response copies pruned"),
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "pruning expired response copies failed"),
+                }
+            }
+            let since = spillway_wire::UnixMs(now.0.saturating_sub(st.config.idempotency.window_ms as i64));
+            match st.ledger.figures(since).await {
+                Ok(f) => {
+                    if f.unknown > unknown {
+                        st.alert(
+                            Severity::Warning,
+                            format!("{} request(s) with an unknown outcome", f.unknown),
+                            "The gateway stopped while they were calling a provider, so whether they ran is not known. They are never sent again automatically: reconcile them in the console's Unknown outcomes inbox.".into(),
+                            None,
+                        );
+                    }
+                    if f.duplicates > duplicates {
+                        st.alert(
+                            Severity::Critical,
+                            format!("{} idempotency key(s) completed more than once", f.duplicates),
+                            "A request under the same Idempotency-Key reached the provider twice. Search the ledger for the key; this should never happen.".into(),
+                            None,
+                        );
+                    }
+                    (unknown, duplicates) = (f.unknown, f.duplicates);
+                    *st.ledger_figures.write().unwrap_or_else(|p| p.into_inner()) = Some(f);
+                }
+                Err(e) => tracing::debug!(error = %e, "ledger figures unavailable"),
+            }
+            drop(st);
+            tokio::time::sleep(FIGURES_EVERY).await;
+        }
+    });
 }
 
 /// Operators hear at once when the ledger stops taking writes, and when it takes them again.

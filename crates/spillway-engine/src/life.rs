@@ -21,7 +21,10 @@ use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
-use spillway_ledger::{AttemptRecord, Decision, FailureClass, GatewayClass, RequestRecord, RequestState, StopReason};
+use spillway_ledger::{
+    AttemptRecord, Decision, FailureClass, GatewayClass, KeyedRequest, Payload, RequestRecord, RequestState,
+    StopReason, StoredResponse,
+};
 use spillway_wire::{ErrorClass, Signal, UnixMs, Usage};
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,6 +65,8 @@ pub enum End {
     },
     /// The gateway's shutdown cut the request.
     Cancelled,
+    /// I2: a repeat of a completed `Idempotency-Key`, answered with its stored response.
+    Replay(Box<KeyedRequest>),
 }
 
 impl End {
@@ -108,6 +113,13 @@ pub struct Life {
     control: Option<Arc<crate::control::RouteControl>>,
     /// With trace export on: the request's trace, and its attempts as they end.
     trace: Option<(crate::trace::TraceContext, Vec<AttemptRecord>)>,
+    /// I2: the `Idempotency-Key` this request runs under, released once its final record
+    /// is committed.
+    idem: Option<crate::idempotency::Claim>,
+    /// I2: the stream as the client received it, kept for replays (None once too large).
+    capture: Option<Vec<u8>>,
+    /// I6: the request body, when the config keeps prompts.
+    prompt: Option<Bytes>,
 }
 
 impl Life {
@@ -125,7 +137,51 @@ impl Life {
             closed: false,
             control: None,
             trace: None,
+            idem: None,
+            capture: None,
+            prompt: None,
         }
+    }
+
+    /// I2: the request runs under `key`, which `claim` holds for it. The key is on its
+    /// record from here, so it is durable with `calling_api`.
+    pub fn run_idempotent(&mut self, key: String, claim: crate::idempotency::Claim) {
+        self.rec.idempotency_key = Some(key);
+        self.idem = Some(claim);
+        self.capture = Some(Vec::new());
+    }
+
+    /// I6: the config keeps prompts: the body goes into the ledger with the final record.
+    pub fn keep_prompt(&mut self, body: Bytes) {
+        self.prompt = Some(body);
+    }
+
+    /// A stream chunk handed to the client: kept for a replay while within the limit.
+    pub(crate) fn captured(&mut self, chunk: &[u8]) {
+        let max = self.st.config.idempotency.max_stored_response_bytes as usize;
+        if let Some(buf) = &mut self.capture {
+            if buf.len() + chunk.len() > max {
+                self.capture = None;
+            } else {
+                buf.extend_from_slice(chunk);
+            }
+        }
+    }
+
+    /// Queues the request's body copies (a completed response for replays, the prompt
+    /// when kept), ahead of its final record so that both share a commit.
+    fn store_payload(&mut self, response: Option<StoredResponse>) {
+        let response = response.filter(|r| r.body.len() as u64 <= self.st.config.idempotency.max_stored_response_bytes);
+        if response.is_none() && self.prompt.is_none() {
+            return;
+        }
+        let window = self.st.config.idempotency.window_ms as i64;
+        self.st.ledger.enqueue_payload(Payload {
+            request_id: self.rec.id.clone(),
+            expires_at: UnixMs(self.rec.received_at.0.saturating_add(window)),
+            request_body: self.prompt.take().map(|b| b.to_vec()),
+            response,
+        });
     }
 
     pub fn st(&self) -> &Arc<AppState> {
@@ -233,7 +289,9 @@ impl Life {
 
     /// The next attempt is admitted on `channel`; its count is on record as it starts (I5).
     pub async fn next_attempt(&mut self, channel: &str, waited: Option<Duration>) {
-        self.rec.next_ready_at = None;
+        // After a durable wait the ledger says nothing is in flight; the call about to
+        // start must be on record before it goes (I3), or a crash would hide it.
+        let after_wait = self.rec.next_ready_at.take().is_some();
         self.rec.attempts += 1;
         self.rec.channel = Some(channel.to_owned());
         if let Some(w) = waited {
@@ -242,7 +300,12 @@ impl Life {
                 self.st.metrics.waited(r, clock::ms(w));
             }
         }
-        if let Err(e) = self.st.ledger.put_request(self.rec.clone()).await {
+        let written = if after_wait {
+            self.st.ledger.put_request_durable(self.rec.clone()).await
+        } else {
+            self.st.ledger.put_request(self.rec.clone()).await
+        };
+        if let Err(e) = written {
             tracing::error!(error = %e, "could not record an attempt count");
         }
     }
@@ -278,6 +341,14 @@ impl Life {
                 self.rec.state = RequestState::Done;
                 self.rec.http_status = Some(status.as_u16());
                 self.rec.next_ready_at = None;
+                if self.idem.is_some() || self.prompt.is_some() {
+                    let copy = self.idem.is_some().then(|| StoredResponse {
+                        status: status.as_u16(),
+                        content_type: content_type.to_str().unwrap_or("application/json").to_owned(),
+                        body: body.to_vec(),
+                    });
+                    self.store_payload(copy);
+                }
                 let mut out = Response::new(Body::from(body));
                 *out.status_mut() = status;
                 out.headers_mut().insert(header::CONTENT_TYPE, content_type);
@@ -346,6 +417,40 @@ impl Life {
                 h.insert("x-accel-buffering", HeaderValue::from_static("no"));
                 gateway_headers(h, &self.rec);
                 *out.body_mut() = Body::from_stream(StreamBody::new(*primed, self));
+                out
+            }
+            End::Replay(found) => {
+                let KeyedRequest {
+                    request: original,
+                    response,
+                } = *found;
+                let Some(stored) = response else {
+                    let e = GatewayError::IdempotencyNotKept {
+                        original: original.id.clone(),
+                        result_id: original.result_id.clone(),
+                    };
+                    return Box::pin(self.close(End::refused(e))).await;
+                };
+                // A logical request of its own, answered from the ledger: nothing went
+                // upstream, nothing is billed.
+                self.rec.state = RequestState::Done;
+                self.rec.http_status = Some(stored.status);
+                self.rec.finished_at = Some(now);
+                self.rec.replay_of = Some(original.id.clone());
+                self.rec.served_model = original.served_model.clone();
+                self.rec.cost_usd = Some(0.0);
+                let mut out = Response::new(Body::from(stored.body));
+                *out.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+                let h = out.headers_mut();
+                if let Ok(ct) = HeaderValue::from_str(&stored.content_type) {
+                    h.insert(header::CONTENT_TYPE, ct);
+                }
+                if stored.content_type.starts_with("text/event-stream") {
+                    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                }
+                gateway_headers(h, &original);
+                crate::idempotency::replay_headers(h, &original);
+                self.settle(None).await;
                 out
             }
             End::Cancelled => {
@@ -448,6 +553,14 @@ impl Life {
                 self.rec.next_ready_at = None;
                 att.error_class = ErrorClass::Success;
                 att.decision = Some(Decision::Done);
+                if self.idem.is_some() || self.prompt.is_some() {
+                    let copy = self.capture.take().map(|body| StoredResponse {
+                        status: 200,
+                        content_type: primed.content_type.to_str().unwrap_or("text/event-stream").to_owned(),
+                        body,
+                    });
+                    self.store_payload(copy);
+                }
             }
             Some((class, message, state)) => {
                 self.rec.end(state, Some(200), class, message.clone(), now);
@@ -482,6 +595,9 @@ impl Life {
 
     /// The final record and figures, with backpressure on the ledger's queue.
     async fn settle(&mut self, att: Option<AttemptRecord>) {
+        if self.prompt.is_some() {
+            self.store_payload(None);
+        }
         if let Some(a) = &att {
             self.traced(a);
         }
@@ -503,6 +619,9 @@ impl Life {
     /// at once, in order, before the connection reports the response finished, so a
     /// shutdown that waits for the connection and then flushes cannot miss it.
     fn settle_now(&mut self) {
+        if self.prompt.is_some() {
+            self.store_payload(None);
+        }
         self.finish_figures();
         self.st.ledger.enqueue_request(self.rec.clone());
         self.release();
@@ -535,6 +654,10 @@ impl Life {
     }
 
     fn release(&mut self) {
+        // The final record is queued: the idempotency key goes back once it is committed.
+        if let Some(c) = self.idem.take() {
+            c.release();
+        }
         self.key_slot.take();
         self.closed = true;
         self.st.shutdown.closed();

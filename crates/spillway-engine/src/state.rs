@@ -148,6 +148,11 @@ pub struct AppState {
     pub prom: crate::prom::Prom,
     /// Trace export, when configured.
     pub otel: Option<Arc<crate::otel::Otel>>,
+    /// I2: `Idempotency-Key`s whose requests are running here.
+    pub idempotency: crate::idempotency::Claims,
+    /// The ledger's own figures (unknowns, duplicates, size), refreshed in the background:
+    /// the console reads them every second, the queries behind them are not that cheap.
+    pub ledger_figures: std::sync::RwLock<Option<spillway_ledger::LedgerFigures>>,
 }
 
 impl AppState {
@@ -235,6 +240,8 @@ impl AppState {
             control: Default::default(),
             prom: Default::default(),
             otel: None,
+            idempotency: Default::default(),
+            ledger_figures: Default::default(),
         })
     }
 }

@@ -343,6 +343,7 @@ impl Stream for StreamBody {
             return Poll::Ready(None);
         };
         if let Some(chunk) = active.primed.prefix.pop_front() {
+            active.life.captured(&chunk);
             drop(guard);
             return self.handed_over(chunk);
         }
@@ -358,6 +359,7 @@ impl Stream for StreamBody {
         match active.primed.inner.as_mut().poll_next(cx) {
             Poll::Ready(Some(Ok(chunk))) => {
                 active.primed.watch.observe(&chunk);
+                active.life.captured(&chunk);
                 drop(guard);
                 let deadline = Instant::now() + self.idle_timeout;
                 self.idle.as_mut().reset(deadline);

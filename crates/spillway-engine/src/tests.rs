@@ -72,7 +72,12 @@ struct Memory {
 
 #[async_trait]
 impl LedgerBackend for Memory {
-    async fn write_batch(&self, r: &[RequestRecord], a: &[AttemptRecord]) -> spillway_ledger::Result<()> {
+    async fn write_batch(
+        &self,
+        r: &[RequestRecord],
+        a: &[AttemptRecord],
+        _: &[spillway_ledger::Payload],
+    ) -> spillway_ledger::Result<()> {
         if self.refuse.load(Ordering::SeqCst) {
             return Err(spillway_ledger::Error::Unavailable("database or disk is full".into()));
         }
@@ -100,6 +105,47 @@ impl LedgerBackend for Memory {
     }
     async fn mark_interrupted_unknown(&self) -> spillway_ledger::Result<u64> {
         Ok(0)
+    }
+    // The idempotency ledger's behaviour is tested over the real SQLite store; this one
+    // only keeps the request path's writes.
+    async fn keyed(
+        &self,
+        _: &str,
+        _: &str,
+        _: UnixMs,
+        _: UnixMs,
+    ) -> spillway_ledger::Result<Option<spillway_ledger::KeyedRequest>> {
+        Ok(None)
+    }
+    async fn reconcile(
+        &self,
+        _: &str,
+        _: &spillway_ledger::Reconcile,
+        _: UnixMs,
+    ) -> spillway_ledger::Result<RequestRecord> {
+        Err(spillway_ledger::Error::NotFound)
+    }
+    async fn side_effect(
+        &self,
+        _: &str,
+        _: &spillway_ledger::SideEffect,
+        _: UnixMs,
+    ) -> spillway_ledger::Result<RequestRecord> {
+        Err(spillway_ledger::Error::NotFound)
+    }
+    async fn unknowns(&self, _: u32) -> spillway_ledger::Result<Vec<RequestRecord>> {
+        Ok(vec![])
+    }
+    async fn figures(&self, _: UnixMs) -> spillway_ledger::Result<spillway_ledger::LedgerFigures> {
+        Ok(Default::default())
+    }
+    async fn prune(
+        &self,
+        _: UnixMs,
+        _: Option<UnixMs>,
+        _: bool,
+    ) -> spillway_ledger::Result<spillway_ledger::PruneReport> {
+        Ok(Default::default())
     }
     async fn maintain(&self) -> spillway_ledger::Result<u64> {
         Ok(0)
@@ -165,6 +211,8 @@ enum Step {
         hint_ms: Option<u64>,
     },
     Answer,
+    /// Answers after this long.
+    AnswerAfter(Duration),
     /// Never answers (until the request is cut).
     Hang,
     Panic,
@@ -219,6 +267,18 @@ impl Caller for Scripted {
                 crate::upstream::apply_signal(&mut att, &s);
                 att.finished_at = Some(clock::now());
                 Attempt::Failed { att, signal: s }
+            }
+            Step::AnswerAfter(d) => {
+                tokio::time::sleep(d).await;
+                att.http_status = Some(200);
+                att.error_class = ErrorClass::Success;
+                Attempt::Answer(crate::life::Answer {
+                    status: StatusCode::OK,
+                    content_type: HeaderValue::from_static("application/json"),
+                    body: Bytes::from(format!("{{\"ok\":true,\"n\":{}}}", self.calls.lock().unwrap().len())),
+                    usage: Usage::default(),
+                    att,
+                })
             }
             Step::Answer => {
                 att.http_status = Some(200);
@@ -1444,4 +1504,354 @@ async fn shutdown_drains_then_cuts_and_records_what_is_left() {
     );
     // New connections are refused once it has stopped.
     assert!(reqwest::get(format!("{url}/healthz")).await.is_err());
+}
+
+// --- I2-I4: the idempotency ledger over the real SQLite store ---------------------------
+
+const KEY2: &str = "sk-engine-test-other-0123456789";
+const ADMIN: &str = "swa_engine_test_admin_token";
+
+/// One channel `a` serving `m`; two gateway keys with room for concurrent requests.
+fn idem_config(extra: &str) -> Config {
+    let y = format!(
+        "listen: 127.0.0.1:0\n{extra}\nchannels:\n  - {{name: a, format: openai, base_url: 'http://127.0.0.1:9/a', models: [m], max_concurrency: 16}}\n\
+         keys:\n  - {{name: app, owner: team, secret_env: KEY}}\n  - {{name: other, owner: team, secret_env: KEY2}}\nowners:\n  - {{name: team}}\n"
+    );
+    Config::parse(
+        Path::new("test.yaml"),
+        &y,
+        &|k| match k {
+            "KEY" => Some(KEY.into()),
+            "KEY2" => Some(KEY2.into()),
+            _ => None,
+        },
+        &|| unreachable!(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+async fn serve_sqlite(dir: &Path, caller: Scripted) -> (crate::Running, String, Arc<Scripted>) {
+    let caller = Arc::new(caller);
+    let gw = crate::start_with(
+        idem_config(""),
+        crate::Options {
+            ledger: Some(Ledger::open_sqlite(&dir.join("ledger.db")).await.unwrap()),
+            listen: Some(([127, 0, 0, 1], 0).into()),
+            admin_token: Some(crate::admin::AdminToken::new(ADMIN.into())),
+            ..crate::Options::default()
+        },
+        caller.clone(),
+    )
+    .await
+    .unwrap();
+    let url = format!("http://{}", gw.addr);
+    (gw, url, caller)
+}
+
+fn keyed(url: &str, key: &str, idem: &str, content: &str) -> reqwest::RequestBuilder {
+    reqwest::Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth(key)
+        .header("idempotency-key", idem)
+        .json(&serde_json::json!({"model": "m", "messages": [{"role": "user", "content": content}]}))
+}
+
+fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers().get(name).map(|v| v.to_str().unwrap().to_owned())
+}
+
+#[tokio::test]
+async fn i2_a_repeated_key_gets_the_stored_answer_without_a_second_call() {
+    // spec: I2, A6
+    let dir = tempfile::tempdir().unwrap();
+    let (gw, url, caller) = serve_sqlite(dir.path(), Scripted::with(&[("a", Step::AnswerAfter(Duration::ZERO))])).await;
+    let first = keyed(&url, KEY, "order-1", "hi").send().await.unwrap();
+    assert_eq!(first.status(), 200);
+    let first_id = header(&first, "x-request-id").unwrap();
+    assert!(header(&first, "x-spillway-idempotent-replay").is_none());
+    let first_body = first.bytes().await.unwrap();
+    for _ in 0..2 {
+        let again = keyed(&url, KEY, "order-1", "hi").send().await.unwrap();
+        assert_eq!(again.status(), 200);
+        assert_eq!(header(&again, "x-spillway-idempotent-replay").as_deref(), Some("true"));
+        assert_eq!(header(&again, "x-spillway-replay-of"), Some(first_id.clone()));
+        assert_ne!(
+            header(&again, "x-request-id"),
+            Some(first_id.clone()),
+            "a replay is a request of its own"
+        );
+        assert_eq!(header(&again, "x-spillway-channel").as_deref(), Some("a"));
+        assert_eq!(again.bytes().await.unwrap(), first_body, "byte for byte");
+    }
+    assert_eq!(caller.calls().len(), 1, "one upstream call for three requests");
+
+    // Another body under the same key: 422, and the SDKs are told not to retry.
+    let other = keyed(&url, KEY, "order-1", "something else").send().await.unwrap();
+    assert_eq!(other.status(), 422);
+    assert_eq!(header(&other, "x-should-retry").as_deref(), Some("false"));
+    let e: serde_json::Value = other.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "idempotency_error");
+    assert_eq!(e["error"]["param"], "Idempotency-Key");
+    let msg = e["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("`Idempotency-Key` conflict") && msg.contains(&first_id),
+        "{msg}"
+    );
+    assert!(!msg.contains("something else"), "never the client's text");
+    // The same key under another gateway key is another key.
+    assert_eq!(keyed(&url, KEY2, "order-1", "hi").send().await.unwrap().status(), 200);
+    assert_eq!(caller.calls().len(), 2);
+    // A malformed key is refused before anything is read or sent.
+    let bad = keyed(&url, KEY, &"x".repeat(300), "hi").send().await.unwrap();
+    assert_eq!(bad.status(), 400);
+    assert!(bad.text().await.unwrap().contains("Idempotency-Key"));
+    assert_eq!(caller.calls().len(), 2);
+
+    // The ledger knows the replays for what they are.
+    gw.state.ledger.flush().await.unwrap();
+    let orig = gw.state.ledger.get_request(&first_id).await.unwrap().unwrap();
+    assert_eq!(orig.idempotency_key.as_deref(), Some("order-1"));
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn i2_concurrent_repeats_make_exactly_one_upstream_call() {
+    // spec: I2
+    let dir = tempfile::tempdir().unwrap();
+    let (gw, url, caller) = serve_sqlite(
+        dir.path(),
+        Scripted::with(&[("a", Step::AnswerAfter(Duration::from_millis(300)))]),
+    )
+    .await;
+    let sends: Vec<_> = (0..12)
+        .map(|_| tokio::spawn(keyed(&url, KEY, "pay-7", "charge").send()))
+        .collect();
+    let mut statuses = Vec::new();
+    let mut bodies = std::collections::HashSet::new();
+    for s in sends {
+        let r = s.await.unwrap().unwrap();
+        let st = r.status().as_u16();
+        if st == 409 {
+            assert!(header(&r, "retry-after").is_some());
+            assert!(
+                header(&r, "x-should-retry").is_none(),
+                "in progress: the SDK may retry later"
+            );
+            let t = r.text().await.unwrap();
+            assert!(t.contains("still in progress"), "{t}");
+        } else {
+            bodies.insert(r.bytes().await.unwrap());
+        }
+        statuses.push(st);
+    }
+    assert_eq!(caller.calls().len(), 1, "{statuses:?}");
+    assert!(statuses.iter().all(|s| *s == 200 || *s == 409), "{statuses:?}");
+    assert!(statuses.contains(&409), "{statuses:?}");
+    assert_eq!(bodies.len(), 1, "every answer is the one answer");
+    // Once it completed, a repeat gets that answer.
+    let r = keyed(&url, KEY, "pay-7", "charge").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(bodies.contains(&r.bytes().await.unwrap()));
+    assert_eq!(caller.calls().len(), 1);
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn i3_a_client_marks_its_side_effect_and_replays_say_so() {
+    // spec: I3, I2
+    let dir = tempfile::tempdir().unwrap();
+    let (gw, url, caller) = serve_sqlite(dir.path(), Scripted::default()).await;
+    let first = keyed(&url, KEY, "mail-1", "write the email").send().await.unwrap();
+    let id = header(&first, "x-request-id").unwrap();
+    let c = reqwest::Client::new();
+    let mark = |key: &'static str, body: serde_json::Value| {
+        c.post(format!("{url}/spillway/v1/requests/{id}/side-effect"))
+            .bearer_auth(key)
+            .json(&body)
+            .send()
+    };
+    // Another key's request does not exist for this key.
+    assert_eq!(
+        mark(KEY2, serde_json::json!({"state": "pending"}))
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+    let bad = mark(KEY, serde_json::json!({"state": "sent"})).await.unwrap();
+    assert_eq!(bad.status(), 400);
+    let r = mark(KEY, serde_json::json!({"state": "pending"})).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["state"], "side_effect_pending");
+    let replay = keyed(&url, KEY, "mail-1", "write the email").send().await.unwrap();
+    assert_eq!(header(&replay, "x-spillway-side-effect").as_deref(), Some("pending"));
+    // The replay's own id leads to the same request.
+    let replay_id = header(&replay, "x-request-id").unwrap();
+    let r = c
+        .post(format!("{url}/spillway/v1/requests/{replay_id}/side-effect"))
+        .bearer_auth(KEY)
+        .json(&serde_json::json!({"state": "done", "result_id": "smtp-250-abc"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        (v["state"].as_str(), v["result_id"].as_str()),
+        (Some("done"), Some("smtp-250-abc"))
+    );
+    let replay = keyed(&url, KEY, "mail-1", "write the email").send().await.unwrap();
+    assert_eq!(header(&replay, "x-spillway-side-effect").as_deref(), Some("done"));
+    assert_eq!(header(&replay, "x-spillway-result-id").as_deref(), Some("smtp-250-abc"));
+    // Never recorded twice with another result.
+    let twice = mark(KEY, serde_json::json!({"state": "done", "result_id": "smtp-250-xyz"}))
+        .await
+        .unwrap();
+    assert_eq!(twice.status(), 409);
+    assert!(twice.text().await.unwrap().contains("smtp-250-abc"));
+    let st: serde_json::Value = c
+        .get(format!("{url}/spillway/v1/requests/{id}"))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(st["idempotency_key"], "mail-1");
+    assert_eq!(caller.calls().len(), 1);
+    gw.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn i4_l3_an_unknown_key_is_never_sent_again_until_an_owner_reconciles_it() {
+    // spec: I4, L3, I2
+    let dir = tempfile::tempdir().unwrap();
+    let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "refund"}]});
+    let hash = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(serde_json::to_vec(&body).unwrap()))
+    };
+    // Two requests a crash left calling the provider.
+    let ids = [
+        "0190a000-0000-7000-8000-000000000001",
+        "0190a000-0000-7000-8000-000000000002",
+    ];
+    {
+        let ledger = Ledger::open_sqlite(&dir.path().join("ledger.db")).await.unwrap();
+        for (id, key) in ids.iter().zip(["refund-1", "refund-2"]) {
+            let mut r = RequestRecord::received(
+                (*id).into(),
+                id.replace('-', ""),
+                Format::OpenAi,
+                "/v1/chat/completions",
+                clock::now(),
+            );
+            r.key_name = Some("app".into());
+            r.owner = Some("team".into());
+            r.requested_model = Some("m".into());
+            r.route = Some("openai/m".into());
+            r.body_sha256 = Some(hash.clone());
+            r.idempotency_key = Some(key.into());
+            r.state = RequestState::CallingApi;
+            ledger.put_request_durable(r).await.unwrap();
+        }
+        ledger.close(Duration::from_secs(1)).await.unwrap();
+    }
+    let (gw, url, caller) = serve_sqlite(dir.path(), Scripted::default()).await;
+    let send = |k: &'static str| {
+        reqwest::Client::new()
+            .post(format!("{url}/v1/chat/completions"))
+            .bearer_auth(KEY)
+            .header("idempotency-key", k)
+            .json(&body)
+            .send()
+    };
+    for _ in 0..2 {
+        let r = send("refund-1").await.unwrap();
+        assert_eq!(r.status(), 409);
+        assert_eq!(header(&r, "x-should-retry").as_deref(), Some("false"));
+        let t = r.text().await.unwrap();
+        assert!(t.contains("`unknown`") && t.contains(ids[0]), "{t}");
+    }
+    assert!(caller.calls().is_empty(), "never a second upstream call");
+
+    let admin = reqwest::Client::new();
+    let inbox: serde_json::Value = admin
+        .get(format!("{url}/admin/v1/unknowns"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(inbox.as_array().unwrap().len(), 2);
+    let reconcile = |id: &str, body: serde_json::Value| {
+        admin
+            .post(format!("{url}/admin/v1/requests/{id}/reconcile"))
+            .bearer_auth(ADMIN)
+            .json(&body)
+            .send()
+    };
+    // Name, reason and (for done) the result are required.
+    let r = reconcile(
+        ids[0],
+        serde_json::json!({"outcome": "confirmed_done", "actor": "ana", "reason": "seen"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 422);
+    assert!(r.text().await.unwrap().contains("result_id"));
+    let r = reconcile(
+        ids[0],
+        serde_json::json!({"outcome": "confirmed_not_executed", "actor": "", "reason": "x"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 422);
+    // Not executed: the key may run again, once.
+    let r = reconcile(
+        ids[0],
+        serde_json::json!({"outcome": "confirmed_not_executed", "actor": "ana", "reason": "no trace at the provider"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(send("refund-1").await.unwrap().status(), 200);
+    assert_eq!(caller.calls().len(), 1);
+    assert_eq!(send("refund-1").await.unwrap().status(), 200, "then replayed");
+    assert_eq!(caller.calls().len(), 1);
+    // Done: never sent again; the repeat names the result the owner attached.
+    let r = reconcile(
+        ids[1],
+        serde_json::json!({"outcome": "confirmed_done", "result_id": "chatcmpl-9", "actor": "ken", "reason": "in the provider's logs"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 200);
+    let again = reconcile(
+        ids[1],
+        serde_json::json!({"outcome": "confirmed_done", "result_id": "chatcmpl-9", "actor": "ken", "reason": "again"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(again.status(), 409);
+    let r = send("refund-2").await.unwrap();
+    assert_eq!(r.status(), 409);
+    assert!(r.text().await.unwrap().contains("chatcmpl-9"));
+    assert_eq!(caller.calls().len(), 1);
+    let audit: serde_json::Value = admin
+        .get(format!("{url}/admin/v1/audit?kind=request"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(audit.as_array().unwrap().len(), 2);
+    assert_eq!(audit[0]["actor"], "ken");
+    gw.shutdown().await.unwrap();
 }

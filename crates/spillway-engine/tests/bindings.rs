@@ -2,9 +2,9 @@
 //! under `ui/src/bindings/`. This test regenerates them and fails when the committed copy
 //! is stale; `UPDATE_BINDINGS=1 cargo test -p spillway-engine --test bindings` rewrites it.
 
-use spillway_engine::admin::{AdminError, BreakerAction, OperatorAction, Overview, RequestDetail, Tick};
+use spillway_engine::admin::{AdminError, BreakerAction, OperatorAction, Overview, PruneAction, RequestDetail, Tick};
 use spillway_engine::state::OperatorAlert;
-use spillway_ledger::{AuditEntry, Page, Search};
+use spillway_ledger::{AuditEntry, Page, PruneReport, Reconcile, Search};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use ts_rs::{Config, TS};
@@ -38,6 +38,9 @@ fn ui_bindings_are_current() {
     AuditEntry::export_all(&cfg).unwrap();
     BreakerAction::export_all(&cfg).unwrap();
     OperatorAction::export_all(&cfg).unwrap();
+    Reconcile::export_all(&cfg).unwrap();
+    PruneAction::export_all(&cfg).unwrap();
+    PruneReport::export_all(&cfg).unwrap();
     let fresh = files(tmp.path());
     let committed_dir: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ui/src/bindings");
     if std::env::var_os("UPDATE_BINDINGS").is_some() {

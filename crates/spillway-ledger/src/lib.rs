@@ -8,21 +8,24 @@
 //! writes a ledger: a lock file beside it keeps a second instance out.
 
 mod control;
+mod idem;
 mod lock;
 mod record;
 mod sqlite;
 mod writer;
 
 pub use control::{AuditEntry, ControlState};
+pub use idem::{KeyedRequest, LedgerFigures, Payload, PruneReport, Reconcile, RouteCount, SideEffect, StoredResponse};
 pub use lock::LedgerLock;
 pub use record::{
-    AttemptRecord, Decision, FailureClass, GatewayClass, MAX_MESSAGE, Page, RequestRecord, RequestState, Search,
-    StopReason, truncate,
+    AttemptRecord, Decision, FailureClass, GatewayClass, MAX_MESSAGE, Page, Reconciliation, RequestRecord,
+    RequestState, Search, StopReason, truncate,
 };
 pub use sqlite::{Durability, SqliteBackend};
 pub use writer::{Ledger, LedgerHealth};
 
 use async_trait::async_trait;
+use spillway_wire::UnixMs;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -46,6 +49,11 @@ pub enum Error {
     Lock { path: String, source: std::io::Error },
     #[error("ledger row is corrupt: {0}")]
     Corrupt(String),
+    #[error("no request with that id")]
+    NotFound,
+    /// A state change the request's current state does not allow (the message says which).
+    #[error("{0}")]
+    Conflict(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -53,9 +61,14 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// A store the ledger can live in. Batches arrive from the single writer task.
 #[async_trait]
 pub trait LedgerBackend: Send + Sync + 'static {
-    /// Upserts `requests` (each the latest full state of its row) and inserts `attempts`,
-    /// atomically.
-    async fn write_batch(&self, requests: &[RequestRecord], attempts: &[AttemptRecord]) -> Result<()>;
+    /// Upserts `requests` (each the latest full state of its row), inserts `attempts` and
+    /// `payloads`, atomically.
+    async fn write_batch(
+        &self,
+        requests: &[RequestRecord],
+        attempts: &[AttemptRecord],
+        payloads: &[Payload],
+    ) -> Result<()>;
     async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>>;
     async fn attempts(&self, request_id: &str) -> Result<Vec<AttemptRecord>>;
     /// Newest-first page of requests matching `search`.
@@ -69,6 +82,31 @@ pub trait LedgerBackend: Send + Sync + 'static {
     async fn control_states(&self) -> Result<Vec<ControlState>>;
     /// The newest audit entries (for `subject` of `kind` when given), newest first.
     async fn audit(&self, kind: Option<&str>, subject: Option<&str>, limit: u32) -> Result<Vec<AuditEntry>>;
+    /// I2: the newest request that ran under `idempotency_key` for the gateway key
+    /// `key_name`, received at or after `since` (older keys have expired), with its stored
+    /// response when one is kept and not expired at `now`.
+    async fn keyed(
+        &self,
+        key_name: &str,
+        idempotency_key: &str,
+        since: UnixMs,
+        now: UnixMs,
+    ) -> Result<Option<KeyedRequest>>;
+    /// I4: an owner's verdict on an `unknown` request, with its audit entry, in one
+    /// durable transaction. `Conflict` when the request is not unknown.
+    async fn reconcile(&self, id: &str, r: &Reconcile, at: UnixMs) -> Result<RequestRecord>;
+    /// I3: the side-effect step. Marking what is already marked is accepted; anything the
+    /// request's state does not allow is a `Conflict` naming it.
+    async fn side_effect(&self, id: &str, step: &SideEffect, at: UnixMs) -> Result<RequestRecord>;
+    /// Unknown requests awaiting an owner, newest first.
+    async fn unknowns(&self, limit: u32) -> Result<Vec<RequestRecord>>;
+    /// Unknowns and duplicates per route (duplicates among keys received since `since`),
+    /// and the ledger's size.
+    async fn figures(&self, since: UnixMs) -> Result<LedgerFigures>;
+    /// Removes payloads expired at `now` and, when `finished_before` is given, finished
+    /// requests received before it (never unknown or in-flight ones); `vacuum` gives the
+    /// space back to the file system (slow; for a ledger no gateway is using).
+    async fn prune(&self, now: UnixMs, finished_before: Option<UnixMs>, vacuum: bool) -> Result<PruneReport>;
     /// Housekeeping the writer must not pay for on its commits (WAL checkpoints).
     /// Returns how many pages (WAL frames) it folded back into the database.
     async fn maintain(&self) -> Result<u64>;

@@ -116,10 +116,20 @@ pub enum GatewayClass {
     Interrupted,
     /// A bug: the gateway failed while handling the request (a panic). Answered 500.
     InternalError,
+    /// I2: the `Idempotency-Key` was used before with another body (422).
+    IdempotencyKeyReused,
+    /// I2: the request under the same `Idempotency-Key` is still running (409).
+    IdempotencyInProgress,
+    /// I2, L3: the request under the same `Idempotency-Key` has an unknown outcome; nothing
+    /// is sent until an owner reconciles it (409).
+    IdempotencyUnknown,
+    /// I2: the request under the same `Idempotency-Key` completed, but its response copy
+    /// is not kept (too large, or confirmed by an owner); nothing is sent again (409).
+    IdempotencyCompleted,
 }
 
 impl GatewayClass {
-    pub const ALL: [GatewayClass; 18] = [
+    pub const ALL: [GatewayClass; 22] = [
         GatewayClass::ClientAuth,
         GatewayClass::InvalidBody,
         GatewayClass::UnsupportedMediaType,
@@ -138,6 +148,10 @@ impl GatewayClass {
         GatewayClass::Shutdown,
         GatewayClass::Interrupted,
         GatewayClass::InternalError,
+        GatewayClass::IdempotencyKeyReused,
+        GatewayClass::IdempotencyInProgress,
+        GatewayClass::IdempotencyUnknown,
+        GatewayClass::IdempotencyCompleted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -160,6 +174,10 @@ impl GatewayClass {
             GatewayClass::Shutdown => "shutdown",
             GatewayClass::Interrupted => "interrupted",
             GatewayClass::InternalError => "internal_error",
+            GatewayClass::IdempotencyKeyReused => "idempotency_key_reused",
+            GatewayClass::IdempotencyInProgress => "idempotency_in_progress",
+            GatewayClass::IdempotencyUnknown => "idempotency_unknown",
+            GatewayClass::IdempotencyCompleted => "idempotency_completed",
         }
     }
 
@@ -343,6 +361,47 @@ pub struct RequestRecord {
     pub partial_output_committed: bool,
     /// While waiting to retry: the next attempt starts no earlier (F1, I5).
     pub next_ready_at: Option<UnixMs>,
+    /// I2: the client's `Idempotency-Key`, scoped by `key_name`; set only on the request
+    /// that runs under it (never on a repeat that was answered or refused).
+    pub idempotency_key: Option<String>,
+    /// A repeat answered from the ledger: the request whose stored response it replayed.
+    pub replay_of: Option<String>,
+    /// The downstream result: the side effect's id, or the id an owner attached when
+    /// confirming an unknown request as done. Set outside the request path.
+    pub result_id: Option<String>,
+    /// When the side-effect step was last marked (pending or done).
+    pub side_effect_at: Option<UnixMs>,
+    /// I4: how an owner reconciled this request's unknown outcome.
+    pub reconciliation: Option<Reconciliation>,
+    pub reconciled_by: Option<String>,
+    pub reconciled_reason: Option<String>,
+    pub reconciled_at: Option<UnixMs>,
+}
+
+/// I4: an owner's verdict on a request whose outcome was unknown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, TS)]
+#[serde(rename_all = "snake_case")]
+pub enum Reconciliation {
+    /// The provider did the work (the owner attaches its result id): the request is
+    /// `done`, and a repeat of its key is never sent again.
+    ConfirmedDone,
+    /// The provider did not do it: the request is `failed`, and its key may run again.
+    ConfirmedNotExecuted,
+}
+
+impl Reconciliation {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reconciliation::ConfirmedDone => "confirmed_done",
+            Reconciliation::ConfirmedNotExecuted => "confirmed_not_executed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Reconciliation> {
+        [Reconciliation::ConfirmedDone, Reconciliation::ConfirmedNotExecuted]
+            .into_iter()
+            .find(|v| v.as_str() == s)
+    }
 }
 
 impl RequestRecord {
@@ -387,6 +446,14 @@ impl RequestRecord {
             body_sha256: None,
             partial_output_committed: false,
             next_ready_at: None,
+            idempotency_key: None,
+            replay_of: None,
+            result_id: None,
+            side_effect_at: None,
+            reconciliation: None,
+            reconciled_by: None,
+            reconciled_reason: None,
+            reconciled_at: None,
         }
     }
 
@@ -436,6 +503,8 @@ impl RequestRecord {
         cap_opt(&mut self.served_model, 256);
         cap_opt(&mut self.error_message, MAX_MESSAGE);
         cap_opt(&mut self.body_sha256, 64);
+        cap_opt(&mut self.idempotency_key, 255);
+        cap_opt(&mut self.replay_of, 64);
     }
 }
 

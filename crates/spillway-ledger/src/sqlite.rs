@@ -11,15 +11,16 @@
 //! writes no file-size change.
 
 use crate::{
-    AttemptRecord, AuditEntry, ControlState, Decision, Error, FailureClass, LedgerBackend, LedgerLock, Page,
-    RequestRecord, RequestState, Result, Search, StopReason,
+    AttemptRecord, AuditEntry, ControlState, Decision, Error, FailureClass, KeyedRequest, LedgerBackend, LedgerFigures,
+    LedgerLock, Page, Payload, PruneReport, Reconcile, Reconciliation, RequestRecord, RequestState, Result, RouteCount,
+    Search, SideEffect, StopReason, StoredResponse,
 };
 use async_trait::async_trait;
 use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
 use sqlx::query_builder::Separated;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, Connection, QueryBuilder, Row, Sqlite, SqliteConnection, SqlitePool};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -36,7 +37,7 @@ const WAL_RESTART_BYTES: u64 = 16 * 1024 * 1024;
 /// The WAL file is truncated back to this many bytes after it restarts.
 const WAL_SIZE_LIMIT: u64 = WAL_RESTART_BYTES;
 
-/// SQLite allows 32766 bound parameters per statement (a batch row binds up to 32);
+/// SQLite allows 32766 bound parameters per statement (a batch row binds up to 34);
 /// stay well under it.
 const ROWS_PER_STATEMENT: usize = 500;
 
@@ -46,7 +47,16 @@ const CACHED_ROWS: usize = 12;
 const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request_id, key_name, owner, workflow, \
     format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
     error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
-    admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at";
+    admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at, \
+    idempotency_key, replay_of";
+
+/// Columns the request path never writes (the side-effect step and reconciliation set
+/// them through their own statements); read with the rest.
+const REQUEST_READ_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request_id, key_name, owner, workflow, \
+    format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
+    error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
+    admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at, \
+    idempotency_key, replay_of, result_id, side_effect_at, reconciliation, reconciled_by, reconciled_reason, reconciled_at";
 
 /// Columns fixed when a request is first written. Leaving them out of the upsert's SET
 /// spares SQLite rewriting their index entries (trace id, client id, time) on every
@@ -58,6 +68,8 @@ const IMMUTABLE_REQUEST_COLUMNS: &[&str] = &[
     "received_at",
     "format",
     "endpoint",
+    "idempotency_key",
+    "replay_of",
 ];
 
 /// A state's place on the I3 path, in SQL (see [`RequestState::rank`]).
@@ -112,6 +124,8 @@ pub struct SqliteBackend {
     maintenance: Mutex<SqliteConnection>,
     /// WAL size past which a checkpoint makes the WAL restart (see `maintain`).
     pub(crate) wal_restart_bytes: u64,
+    /// The database file, for its size.
+    path: PathBuf,
 }
 
 fn i(v: Option<u64>) -> Option<i64> {
@@ -178,7 +192,18 @@ impl SqliteBackend {
             readers,
             maintenance: Mutex::new(maintenance),
             wal_restart_bytes: WAL_RESTART_BYTES,
+            path: path.to_owned(),
         })
+    }
+}
+
+impl SqliteBackend {
+    /// The database and its write-ahead log, in bytes.
+    fn file_bytes(&self) -> u64 {
+        let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        let mut wal = self.path.clone().into_os_string();
+        wal.push("-wal");
+        size(&self.path) + size(Path::new(&wal))
     }
 }
 
@@ -226,6 +251,16 @@ fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
         body_sha256: r.try_get("body_sha256")?,
         partial_output_committed: r.try_get("partial_output_committed")?,
         next_ready_at: ms(r.try_get("next_ready_at")?),
+        idempotency_key: r.try_get("idempotency_key")?,
+        replay_of: r.try_get("replay_of")?,
+        result_id: r.try_get("result_id")?,
+        side_effect_at: ms(r.try_get("side_effect_at")?),
+        reconciliation: r
+            .try_get::<Option<String>, _>("reconciliation")?
+            .and_then(|v| Reconciliation::parse(&v)),
+        reconciled_by: r.try_get("reconciled_by")?,
+        reconciled_reason: r.try_get("reconciled_reason")?,
+        reconciled_at: ms(r.try_get("reconciled_at")?),
     })
 }
 
@@ -353,7 +388,9 @@ fn bind_request(b: &mut Separated<'_, Sqlite, &'static str>, r: &RequestRecord) 
         .push_bind(i64::from(r.attempts))
         .push_bind(r.body_sha256.clone())
         .push_bind(r.partial_output_committed)
-        .push_bind(r.next_ready_at.map(|t| t.0));
+        .push_bind(r.next_ready_at.map(|t| t.0))
+        .push_bind(r.idempotency_key.clone())
+        .push_bind(r.replay_of.clone());
 }
 
 fn bind_attempt(b: &mut Separated<'_, Sqlite, &'static str>, a: &AttemptRecord) {
@@ -376,6 +413,23 @@ fn bind_attempt(b: &mut Separated<'_, Sqlite, &'static str>, a: &AttemptRecord) 
         .push_bind(i(a.delay_ms))
         .push_bind(a.ready_at.map(|t| t.0))
         .push_bind(a.visibility.map(Visibility::as_str));
+}
+
+/// `INSERT OR REPLACE INTO payloads ...` for `rows`.
+fn insert_payloads(q: &mut QueryBuilder<Sqlite>, rows: &[Payload]) {
+    q.push(
+        "INSERT OR REPLACE INTO payloads (request_id, expires_at, request_body, response_status, \
+         response_content_type, response_body) ",
+    );
+    q.push_values(rows, |mut b, p| {
+        let r = p.response.as_ref();
+        b.push_bind(p.request_id.clone())
+            .push_bind(p.expires_at.0)
+            .push_bind(p.request_body.clone())
+            .push_bind(r.map(|r| i64::from(r.status)))
+            .push_bind(r.map(|r| r.content_type.clone()))
+            .push_bind(r.map(|r| r.body.clone()));
+    });
 }
 
 /// The smallest UUIDv7 string of millisecond `ms`: ids compare as strings in time order.
@@ -416,8 +470,13 @@ async fn checkpoint(conn: &mut SqliteConnection) -> Result<(u64, u64)> {
 
 #[async_trait]
 impl LedgerBackend for SqliteBackend {
-    async fn write_batch(&self, requests: &[RequestRecord], attempts: &[AttemptRecord]) -> Result<()> {
-        if requests.is_empty() && attempts.is_empty() {
+    async fn write_batch(
+        &self,
+        requests: &[RequestRecord],
+        attempts: &[AttemptRecord],
+        payloads: &[Payload],
+    ) -> Result<()> {
+        if requests.is_empty() && attempts.is_empty() && payloads.is_empty() {
             return Ok(());
         }
         let mut guard = self.writer.lock().await;
@@ -439,7 +498,8 @@ impl LedgerBackend for SqliteBackend {
             .map(BatchRow::Request)
             .chain(attempts.iter().map(BatchRow::Attempt))
             .collect();
-        let several = rows.len() > ROWS_PER_STATEMENT;
+        // Payloads (replay copies, rare) ride in the same transaction as their rows.
+        let several = rows.len() > ROWS_PER_STATEMENT || !payloads.is_empty();
         let mut q: QueryBuilder<Sqlite> = QueryBuilder::new("");
         if several {
             q.push("BEGIN IMMEDIATE; ");
@@ -448,12 +508,16 @@ impl LedgerBackend for SqliteBackend {
             insert_batch(&mut q, chunk);
             q.push("; ");
         }
+        for chunk in payloads.chunks(ROWS_PER_STATEMENT) {
+            insert_payloads(&mut q, chunk);
+            q.push("; ");
+        }
         if several {
             q.push("COMMIT;");
         }
         // Small batches repeat (a few rows each) and keep their prepared statements; a
         // large one is a one-off that would only push them out of the cache.
-        let keep = rows.len() <= CACHED_ROWS;
+        let keep = rows.len() <= CACHED_ROWS && payloads.is_empty();
         let result = q.build().persistent(keep).execute(&mut *conn).await;
         if let Err(e) = result {
             if several {
@@ -467,7 +531,7 @@ impl LedgerBackend for SqliteBackend {
 
     async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>> {
         let row = sqlx::query(AssertSqlSafe(format!(
-            "SELECT {REQUEST_COLUMNS} FROM requests WHERE id = ?"
+            "SELECT {REQUEST_READ_COLUMNS} FROM requests WHERE id = ?"
         )))
         .bind(id)
         .fetch_optional(&self.readers)
@@ -488,7 +552,7 @@ impl LedgerBackend for SqliteBackend {
     async fn search(&self, s: &Search) -> Result<Page> {
         let limit = s.limit.unwrap_or(50).clamp(1, 500);
         let mut q: QueryBuilder<Sqlite> =
-            QueryBuilder::new(format!("SELECT {REQUEST_COLUMNS} FROM requests WHERE 1 = 1"));
+            QueryBuilder::new(format!("SELECT {REQUEST_READ_COLUMNS} FROM requests WHERE 1 = 1"));
         if let Some(before) = &s.before {
             q.push(" AND id < ").push_bind(before.clone());
         }
@@ -622,6 +686,269 @@ impl LedgerBackend for SqliteBackend {
                 })
             })
             .collect()
+    }
+
+    async fn keyed(
+        &self,
+        key_name: &str,
+        idempotency_key: &str,
+        since: UnixMs,
+        now: UnixMs,
+    ) -> Result<Option<KeyedRequest>> {
+        // The partial index finds the key's rows; the newest is the one that counts (a
+        // key whose request failed may run again, as a newer row).
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {REQUEST_READ_COLUMNS} FROM requests WHERE key_name = ? AND idempotency_key = ? \
+             AND idempotency_key IS NOT NULL AND received_at >= ? ORDER BY id DESC LIMIT 1"
+        )))
+        .bind(key_name)
+        .bind(idempotency_key)
+        .bind(since.0)
+        .fetch_optional(&self.readers)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let request = request_from_row(&row)?;
+        let stored = sqlx::query(
+            "SELECT response_status, response_content_type, response_body FROM payloads \
+             WHERE request_id = ? AND expires_at > ? AND response_body IS NOT NULL",
+        )
+        .bind(&request.id)
+        .bind(now.0)
+        .fetch_optional(&self.readers)
+        .await?;
+        let response = match stored {
+            Some(r) => Some(StoredResponse {
+                status: r.try_get::<i64, _>("response_status")? as u16,
+                content_type: r.try_get("response_content_type")?,
+                body: r.try_get("response_body")?,
+            }),
+            None => None,
+        };
+        Ok(Some(KeyedRequest { request, response }))
+    }
+
+    async fn reconcile(&self, id: &str, r: &Reconcile, at: UnixMs) -> Result<RequestRecord> {
+        let state = match r.outcome {
+            Reconciliation::ConfirmedDone => RequestState::Done,
+            Reconciliation::ConfirmedNotExecuted => RequestState::Failed,
+        };
+        {
+            let mut writer = self.writer.lock().await;
+            if writer.1 {
+                return Err(Error::Unavailable(
+                    "a failed transaction is still being rolled back".into(),
+                ));
+            }
+            let mut tx = writer.0.begin().await?;
+            let changed = sqlx::query(
+                "UPDATE requests SET state = ?, reconciliation = ?, reconciled_by = ?, reconciled_reason = ?, \
+                 reconciled_at = ?, result_id = COALESCE(?, result_id), finished_at = COALESCE(finished_at, ?) \
+                 WHERE id = ? AND state = 'unknown'",
+            )
+            .bind(state.as_str())
+            .bind(r.outcome.as_str())
+            .bind(&r.actor)
+            .bind(&r.reason)
+            .bind(at.0)
+            .bind(&r.result_id)
+            .bind(at.0)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if changed == 0 {
+                tx.rollback().await?;
+                drop(writer);
+                return Err(match self.get_request(id).await? {
+                    None => Error::NotFound,
+                    Some(cur) => Error::Conflict(format!(
+                        "request {id} is `{}`, not unknown: there is nothing to reconcile{}",
+                        cur.state.as_str(),
+                        cur.reconciled_by
+                            .as_deref()
+                            .map(|b| format!(" ({b} reconciled it already)"))
+                            .unwrap_or_default()
+                    )),
+                });
+            }
+            sqlx::query(
+                "INSERT INTO audit (at, kind, subject, actor, action, trigger, reason, figures) \
+                 VALUES (?, 'request', ?, ?, ?, ?, ?, NULL)",
+            )
+            .bind(at.0)
+            .bind(id)
+            .bind(&r.actor)
+            .bind(format!("unknown->{}", r.outcome.as_str()))
+            .bind(r.result_id.as_ref().map(|v| format!("result id {v}")))
+            .bind(&r.reason)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+        }
+        self.get_request(id).await?.ok_or(Error::NotFound)
+    }
+
+    async fn side_effect(&self, id: &str, step: &SideEffect, at: UnixMs) -> Result<RequestRecord> {
+        let (sql, result_id) = match step {
+            SideEffect::Pending => (
+                "UPDATE requests SET state = 'side_effect_pending', side_effect_at = ? \
+                 WHERE id = ? AND state IN ('api_completed', 'done') AND result_id IS NULL",
+                None,
+            ),
+            SideEffect::Done { result_id } => (
+                "UPDATE requests SET state = 'done', side_effect_at = ?, result_id = ? \
+                 WHERE id = ? AND state IN ('api_completed', 'done', 'side_effect_pending') AND result_id IS NULL",
+                Some(result_id),
+            ),
+        };
+        let changed = {
+            let mut writer = self.writer.lock().await;
+            if writer.1 {
+                return Err(Error::Unavailable(
+                    "a failed transaction is still being rolled back".into(),
+                ));
+            }
+            let mut q = sqlx::query(sql).bind(at.0);
+            if let Some(r) = result_id {
+                q = q.bind(r);
+            }
+            q.bind(id).execute(&mut writer.0).await?.rows_affected()
+        };
+        let cur = self.get_request(id).await?.ok_or(Error::NotFound)?;
+        if changed > 0 {
+            return Ok(cur);
+        }
+        // Marking again what is already marked is fine (a client retrying its call).
+        let same = match step {
+            SideEffect::Pending => cur.state == RequestState::SideEffectPending,
+            SideEffect::Done { result_id } => cur.result_id.as_ref() == Some(result_id),
+        };
+        if same {
+            return Ok(cur);
+        }
+        Err(Error::Conflict(match (&cur.result_id, cur.state) {
+            (Some(r), _) => format!("request {id} already has its side effect recorded as done (result id {r})"),
+            (None, s) => format!(
+                "request {id} is `{}`: a side effect is recorded only for a request whose answer arrived",
+                s.as_str()
+            ),
+        }))
+    }
+
+    async fn unknowns(&self, limit: u32) -> Result<Vec<RequestRecord>> {
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {REQUEST_READ_COLUMNS} FROM requests WHERE state = 'unknown' ORDER BY id DESC LIMIT ?"
+        )))
+        .bind(i64::from(limit.clamp(1, 1000)))
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter().map(request_from_row).collect()
+    }
+
+    async fn figures(&self, since: UnixMs) -> Result<LedgerFigures> {
+        let counts = |rows: Vec<SqliteRow>| -> Result<Vec<RouteCount>> {
+            rows.iter()
+                .map(|r| {
+                    Ok(RouteCount {
+                        route: r
+                            .try_get::<Option<String>, _>(0)?
+                            .unwrap_or_else(|| "(no route)".into()),
+                        count: r.try_get::<i64, _>(1)?.max(0) as u64,
+                    })
+                })
+                .collect()
+        };
+        let unknown_by_route = counts(
+            sqlx::query("SELECT route, COUNT(*) FROM requests WHERE state = 'unknown' GROUP BY route ORDER BY 2 DESC")
+                .fetch_all(&self.readers)
+                .await?,
+        )?;
+        // A key that completed upstream twice: the thing the idempotency ledger exists to
+        // prevent, checked from the rows themselves.
+        let duplicates_by_route = counts(
+            sqlx::query(
+                "SELECT route, COUNT(*) FROM (SELECT MAX(route) AS route FROM requests \
+                 WHERE idempotency_key IS NOT NULL AND received_at >= ? \
+                 AND state IN ('api_completed', 'side_effect_pending', 'done') \
+                 GROUP BY key_name, idempotency_key HAVING COUNT(*) > 1) GROUP BY route ORDER BY 2 DESC",
+            )
+            .bind(since.0)
+            .fetch_all(&self.readers)
+            .await?,
+        )?;
+        let p = sqlx::query(
+            "SELECT COUNT(*), COALESCE(SUM(COALESCE(length(request_body), 0) + COALESCE(length(response_body), 0)), 0) \
+             FROM payloads",
+        )
+        .fetch_one(&self.readers)
+        .await?;
+        Ok(LedgerFigures {
+            unknown: unknown_by_route.iter().map(|c| c.count).sum(),
+            unknown_by_route,
+            duplicates: duplicates_by_route.iter().map(|c| c.count).sum(),
+            duplicates_by_route,
+            bytes: self.file_bytes(),
+            payloads: p.try_get::<i64, _>(0)?.max(0) as u64,
+            payload_bytes: p.try_get::<i64, _>(1)?.max(0) as u64,
+        })
+    }
+
+    async fn prune(&self, now: UnixMs, finished_before: Option<UnixMs>, vacuum: bool) -> Result<PruneReport> {
+        let bytes_before = self.file_bytes();
+        let mut report = PruneReport {
+            bytes_before,
+            ..PruneReport::default()
+        };
+        {
+            let mut writer = self.writer.lock().await;
+            if writer.1 {
+                return Err(Error::Unavailable(
+                    "a failed transaction is still being rolled back".into(),
+                ));
+            }
+            let mut tx = writer.0.begin().await?;
+            report.payloads = sqlx::query("DELETE FROM payloads WHERE expires_at <= ?")
+                .bind(now.0)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if let Some(before) = finished_before {
+                // The key range of ids before the cut-off (UUIDv7 ids start with their time);
+                // unknown and in-flight requests stay whatever their age.
+                let floor = uuid_floor(before);
+                report.attempts = sqlx::query(
+                    "DELETE FROM attempts WHERE request_id IN (SELECT id FROM requests WHERE id < ? \
+                     AND state IN ('done', 'failed'))",
+                )
+                .bind(&floor)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+                report.requests = sqlx::query("DELETE FROM requests WHERE id < ? AND state IN ('done', 'failed')")
+                    .bind(&floor)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                sqlx::query(
+                    "DELETE FROM payloads WHERE request_id NOT IN (SELECT id FROM requests) AND request_id < ?",
+                )
+                .bind(&floor)
+                .execute(&mut *tx)
+                .await?;
+            }
+            tx.commit().await?;
+            if vacuum {
+                sqlx::query("VACUUM").execute(&mut writer.0).await?;
+            }
+        }
+        if vacuum {
+            let mut conn = self.maintenance.lock().await;
+            sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+                .fetch_all(&mut *conn)
+                .await?;
+        }
+        report.bytes_after = self.file_bytes();
+        Ok(report)
     }
 
     async fn maintain(&self) -> Result<u64> {

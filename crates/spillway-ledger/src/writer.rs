@@ -10,7 +10,10 @@
 //! itself unhealthy, durable writes are refused at once (so the gateway answers 503
 //! instead of calling a provider it cannot account for) and the spool is bounded.
 
-use crate::{AttemptRecord, Error, LedgerBackend, Page, RequestRecord, Result, Search, SqliteBackend};
+use crate::{
+    AttemptRecord, Error, KeyedRequest, LedgerBackend, LedgerFigures, Page, Payload, PruneReport, Reconcile,
+    RequestRecord, Result, Search, SideEffect, SqliteBackend,
+};
 use serde::Serialize;
 use spillway_wire::UnixMs;
 use std::collections::{HashMap, VecDeque};
@@ -40,6 +43,7 @@ const RETRY_EVERY: Duration = Duration::from_millis(500);
 enum Op {
     Request(Box<RequestRecord>, Option<oneshot::Sender<Result<()>>>),
     Attempt(Box<AttemptRecord>),
+    Payload(Box<Payload>),
     Flush(oneshot::Sender<Result<()>>),
 }
 
@@ -215,12 +219,13 @@ struct Pending {
     requests: Vec<RequestRecord>,
     index: HashMap<String, usize>,
     attempts: Vec<AttemptRecord>,
+    payloads: Vec<Payload>,
     acks: Vec<oneshot::Sender<Result<()>>>,
 }
 
 impl Pending {
     fn rows(&self) -> usize {
-        self.requests.len() + self.attempts.len()
+        self.requests.len() + self.attempts.len() + self.payloads.len()
     }
 
     fn is_empty(&self) -> bool {
@@ -251,6 +256,7 @@ impl Pending {
                 a.cap_fields();
                 self.attempts.push(a);
             }
+            Op::Payload(p) => self.payloads.push(*p),
             Op::Flush(a) => self.acks.push(a),
         }
     }
@@ -265,6 +271,7 @@ impl Pending {
         self.requests.clear();
         self.index.clear();
         self.attempts.clear();
+        self.payloads.clear();
     }
 }
 
@@ -387,6 +394,14 @@ impl Ledger {
         }
     }
 
+    /// Records `p` (a request's body copies) with the next commit, from code that cannot
+    /// wait; queue it before the request's final record so both share a commit.
+    pub fn enqueue_payload(&self, p: Payload) {
+        if self.queue.push_now(Op::Payload(Box::new(p))).is_err() {
+            tracing::error!("ledger writer stopped; a stored response was lost");
+        }
+    }
+
     /// Waits until everything queued so far is committed.
     pub async fn flush(&self) -> Result<()> {
         let (ack, done) = oneshot::channel();
@@ -460,6 +475,44 @@ impl Ledger {
         audit: &crate::AuditEntry,
     ) -> Result<()> {
         self.backend.record_transition(state, audit).await
+    }
+
+    /// I2: the newest request under `idempotency_key` for `key_name` since `since`.
+    pub async fn keyed(
+        &self,
+        key_name: &str,
+        idempotency_key: &str,
+        since: UnixMs,
+        now: UnixMs,
+    ) -> Result<Option<KeyedRequest>> {
+        self.backend.keyed(key_name, idempotency_key, since, now).await
+    }
+
+    /// I4: an owner reconciles an unknown request. Whatever is queued is committed first,
+    /// so the verdict applies to the request's latest state.
+    pub async fn reconcile(&self, id: &str, r: &Reconcile, at: UnixMs) -> Result<RequestRecord> {
+        self.flush().await?;
+        self.backend.reconcile(id, r, at).await
+    }
+
+    /// I3: the side-effect step, after whatever is queued (the request's own final
+    /// record, maybe) is committed.
+    pub async fn side_effect(&self, id: &str, step: &SideEffect, at: UnixMs) -> Result<RequestRecord> {
+        self.flush().await?;
+        self.backend.side_effect(id, step, at).await
+    }
+
+    pub async fn unknowns(&self, limit: u32) -> Result<Vec<RequestRecord>> {
+        self.backend.unknowns(limit).await
+    }
+
+    pub async fn figures(&self, since: UnixMs) -> Result<LedgerFigures> {
+        self.backend.figures(since).await
+    }
+
+    pub async fn prune(&self, now: UnixMs, finished_before: Option<UnixMs>, vacuum: bool) -> Result<PruneReport> {
+        self.flush().await?;
+        self.backend.prune(now, finished_before, vacuum).await
     }
 
     pub async fn control_states(&self) -> Result<Vec<crate::ControlState>> {
@@ -536,7 +589,9 @@ async fn write_loop(backend: Arc<dyn LedgerBackend>, queue: Arc<Queue>, health: 
         let result = if pending.rows() == 0 {
             Ok(())
         } else {
-            backend.write_batch(&pending.requests, &pending.attempts).await
+            backend
+                .write_batch(&pending.requests, &pending.attempts, &pending.payloads)
+                .await
         };
         match result {
             Ok(()) => {
@@ -718,6 +773,307 @@ mod tests {
         );
     }
 
+    /// A UUIDv7-shaped id of millisecond `ms` (ids sort by time, as the gateway's do).
+    fn id_at(ms: i64, n: u64) -> String {
+        format!("{:08x}-{:04x}-7000-8000-{n:012x}", ms >> 16, ms & 0xffff)
+    }
+
+    fn keyed_rec(id: &str, state: RequestState, key: &str, at: i64) -> RequestRecord {
+        let mut r = rec(id, state);
+        r.idempotency_key = Some(key.into());
+        r.received_at = UnixMs(at);
+        r
+    }
+
+    fn stored(id: &str, body: &[u8], expires_at: i64) -> Payload {
+        Payload {
+            request_id: id.into(),
+            expires_at: UnixMs(expires_at),
+            request_body: None,
+            response: Some(crate::StoredResponse {
+                status: 200,
+                content_type: "text/event-stream".into(),
+                body: body.to_vec(),
+            }),
+        }
+    }
+
+    #[tokio::test]
+    async fn i2_a_key_finds_its_newest_request_and_stored_response_until_they_expire() {
+        // spec: I2, I6
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
+        let (a, b) = (id_at(1_000_000, 1), id_at(1_000_500, 2));
+        // The first run failed (its key may run again); the second completed.
+        let mut failed = keyed_rec(&a, RequestState::Failed, "k-1", 1_000_000);
+        failed.http_status = Some(503);
+        ledger.put_request(failed).await.unwrap();
+        ledger
+            .put_request(keyed_rec(&b, RequestState::Done, "k-1", 1_000_500))
+            .await
+            .unwrap();
+        // Binary and event-stream bytes survive as they are.
+        let body = b"data: {\"x\":1}\n\n\x00\xff data: [DONE]\n\n";
+        ledger.enqueue_payload(stored(&b, body, 2_000_000));
+        // Another gateway key's same Idempotency-Key is another key.
+        let mut other = keyed_rec(&id_at(1_000_600, 3), RequestState::Done, "k-1", 1_000_600);
+        other.key_name = Some("other-app".into());
+        ledger.put_request(other).await.unwrap();
+        ledger.flush().await.unwrap();
+
+        let found = ledger
+            .keyed("app", "k-1", UnixMs(0), UnixMs(1_500_000))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(found.request.id, b);
+        let r = found.response.unwrap();
+        assert_eq!(
+            (r.status, r.content_type.as_str(), r.body.as_slice()),
+            (200, "text/event-stream", &body[..])
+        );
+        // The stored copy expires on its own clock; the key on the window's.
+        let later = ledger
+            .keyed("app", "k-1", UnixMs(0), UnixMs(2_000_000))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(later.response.is_none());
+        assert!(
+            ledger
+                .keyed("app", "k-1", UnixMs(1_000_501), UnixMs(0))
+                .await
+                .unwrap()
+                .is_none(),
+            "a key older than the window is forgotten"
+        );
+        assert!(
+            ledger
+                .keyed("app", "k-2", UnixMs(0), UnixMs(0))
+                .await
+                .unwrap()
+                .is_none()
+        );
+        // Pruning removes what expired.
+        let report = ledger.prune(UnixMs(2_000_000), None, false).await.unwrap();
+        assert_eq!((report.payloads, report.requests), (1, 0));
+        ledger.close(Duration::from_secs(1)).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn i4_an_owner_reconciles_an_unknown_request_once_with_an_audit_entry() {
+        // spec: I4, L3
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let (a, b) = (id_at(5_000, 1), id_at(5_001, 2));
+        {
+            let ledger = Ledger::open_sqlite(&path).await.unwrap();
+            for id in [&a, &b] {
+                ledger
+                    .put_request_durable(keyed_rec(id, RequestState::CallingApi, id, 5_000))
+                    .await
+                    .unwrap();
+            }
+            ledger.close(Duration::from_secs(1)).await.unwrap();
+        }
+        // A crash left both calling the provider: both are unknown, listed for an owner.
+        let ledger = Ledger::open_sqlite(&path).await.unwrap();
+        let listed: Vec<String> = ledger.unknowns(10).await.unwrap().into_iter().map(|r| r.id).collect();
+        assert_eq!(listed, [b.clone(), a.clone()]);
+        let fig = ledger.figures(UnixMs(0)).await.unwrap();
+        assert_eq!(fig.unknown, 2);
+        assert_eq!(
+            fig.unknown_by_route,
+            [crate::RouteCount {
+                route: "openai/gpt-4o-mini".into(),
+                count: 2
+            }]
+        );
+        assert!(fig.bytes > 0);
+
+        let done = Reconcile {
+            outcome: crate::Reconciliation::ConfirmedDone,
+            result_id: Some("msg-42".into()),
+            actor: "kenji".into(),
+            reason: "the provider's dashboard shows the completion".into(),
+        };
+        let r = ledger.reconcile(&a, &done, UnixMs(9_000)).await.unwrap();
+        assert_eq!(r.state, RequestState::Done);
+        assert_eq!(r.result_id.as_deref(), Some("msg-42"));
+        assert_eq!(r.reconciliation, Some(crate::Reconciliation::ConfirmedDone));
+        assert_eq!(
+            (r.reconciled_by.as_deref(), r.reconciled_at),
+            (Some("kenji"), Some(UnixMs(9_000)))
+        );
+        // Once only: a second verdict is refused and names who gave the first.
+        let again = ledger
+            .reconcile(&a, &done, UnixMs(9_001))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(again.contains("not unknown") && again.contains("kenji"), "{again}");
+        assert!(matches!(
+            ledger.reconcile("nope", &done, UnixMs(1)).await,
+            Err(Error::NotFound)
+        ));
+        let not_run = Reconcile {
+            outcome: crate::Reconciliation::ConfirmedNotExecuted,
+            result_id: None,
+            actor: "ana".into(),
+            reason: "no trace at the provider".into(),
+        };
+        let r = ledger.reconcile(&b, &not_run, UnixMs(9_500)).await.unwrap();
+        assert_eq!(r.state, RequestState::Failed);
+        let audit = ledger.audit(Some("request"), None, 10).await.unwrap();
+        assert_eq!(
+            audit
+                .iter()
+                .map(|e| (e.subject.as_str(), e.actor.as_str(), e.action.as_str()))
+                .collect::<Vec<_>>(),
+            [
+                (b.as_str(), "ana", "unknown->confirmed_not_executed"),
+                (a.as_str(), "kenji", "unknown->confirmed_done")
+            ]
+        );
+        assert!(ledger.unknowns(10).await.unwrap().is_empty());
+        assert_eq!(ledger.figures(UnixMs(0)).await.unwrap().unknown, 0);
+        ledger.close(Duration::from_secs(1)).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn i3_the_side_effect_step_is_marked_once() {
+        // spec: I3
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
+        let id = id_at(7_000, 1);
+        ledger
+            .put_request(keyed_rec(&id, RequestState::CallingApi, "k", 7_000))
+            .await
+            .unwrap();
+        // Not before the answer arrived.
+        let early = ledger.side_effect(&id, &SideEffect::Pending, UnixMs(7_001)).await;
+        assert!(matches!(early, Err(Error::Conflict(m)) if m.contains("calling_api")));
+        ledger
+            .put_request(keyed_rec(&id, RequestState::Done, "k", 7_000))
+            .await
+            .unwrap();
+        let r = ledger
+            .side_effect(&id, &SideEffect::Pending, UnixMs(7_002))
+            .await
+            .unwrap();
+        assert_eq!(
+            (r.state, r.side_effect_at),
+            (RequestState::SideEffectPending, Some(UnixMs(7_002)))
+        );
+        // Again: accepted, unchanged.
+        let r = ledger
+            .side_effect(&id, &SideEffect::Pending, UnixMs(7_003))
+            .await
+            .unwrap();
+        assert_eq!(r.side_effect_at, Some(UnixMs(7_002)));
+        let done = SideEffect::Done {
+            result_id: "email-9".into(),
+        };
+        let r = ledger.side_effect(&id, &done, UnixMs(7_004)).await.unwrap();
+        assert_eq!((r.state, r.result_id.as_deref()), (RequestState::Done, Some("email-9")));
+        assert_eq!(
+            ledger
+                .side_effect(&id, &done, UnixMs(7_005))
+                .await
+                .unwrap()
+                .side_effect_at,
+            Some(UnixMs(7_004))
+        );
+        // Never twice with another result, never back to pending.
+        let other = SideEffect::Done {
+            result_id: "email-10".into(),
+        };
+        assert!(
+            matches!(ledger.side_effect(&id, &other, UnixMs(7_006)).await, Err(Error::Conflict(m)) if m.contains("email-9"))
+        );
+        assert!(
+            ledger
+                .side_effect(&id, &SideEffect::Pending, UnixMs(7_007))
+                .await
+                .is_err()
+        );
+        // The request path cannot undo it either.
+        ledger
+            .put_request(keyed_rec(&id, RequestState::Done, "k", 7_000))
+            .await
+            .unwrap();
+        ledger.flush().await.unwrap();
+        assert_eq!(
+            ledger.get_request(&id).await.unwrap().unwrap().result_id.as_deref(),
+            Some("email-9")
+        );
+        ledger.close(Duration::from_secs(1)).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn i5_attempt_counts_first_attempt_and_ready_at_survive_a_restart() {
+        // spec: I5
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let id = id_at(8_000, 1);
+        {
+            let ledger = Ledger::open_sqlite(&path).await.unwrap();
+            let mut r = rec(&id, RequestState::CallingApi);
+            r.attempts = 2;
+            r.admitted_at = Some(UnixMs(8_001));
+            r.next_ready_at = Some(UnixMs(12_000));
+            ledger.put_request_durable(r).await.unwrap();
+            // The row stays as a crash would leave it (the black-box crash test kills the
+            // real process).
+            ledger.close(Duration::from_secs(1)).await.unwrap();
+        }
+        let ledger = Ledger::open_sqlite(&path).await.unwrap();
+        let r = ledger.unknowns(5).await.unwrap().pop().unwrap();
+        assert_eq!(r.id, id);
+        assert_eq!(
+            (r.attempts, r.admitted_at, r.next_ready_at),
+            (2, Some(UnixMs(8_001)), Some(UnixMs(12_000)))
+        );
+        ledger.close(Duration::from_secs(1)).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn n1_duplicates_count_keys_that_completed_twice_and_prune_keeps_unknowns() {
+        // spec: N1, I6
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
+        // One key completed twice (what must never happen), one failed then completed.
+        for (n, (key, state)) in [
+            ("dup", RequestState::Done),
+            ("dup", RequestState::Done),
+            ("ok", RequestState::Failed),
+            ("ok", RequestState::Done),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            ledger
+                .put_request(keyed_rec(&id_at(10_000 + n as i64, n as u64), state, key, 10_000))
+                .await
+                .unwrap();
+        }
+        ledger
+            .put_request(rec(&id_at(10_010, 9), RequestState::Unknown))
+            .await
+            .unwrap();
+        ledger.flush().await.unwrap();
+        let fig = ledger.figures(UnixMs(0)).await.unwrap();
+        assert_eq!(fig.duplicates, 1);
+        assert_eq!(fig.duplicates_by_route[0].route, "openai/gpt-4o-mini");
+        assert_eq!(ledger.figures(UnixMs(20_000)).await.unwrap().duplicates, 0);
+        // Finished requests before the cut-off go; the unknown one stays for its owner.
+        let report = ledger.prune(UnixMs(0), Some(UnixMs(20_000)), true).await.unwrap();
+        assert_eq!(report.requests, 4);
+        assert_eq!(ledger.unknowns(10).await.unwrap().len(), 1);
+        assert!(report.bytes_after > 0);
+        ledger.close(Duration::from_secs(1)).await.unwrap();
+    }
+
     #[tokio::test]
     async fn g4_control_state_and_audit_survive_a_reopen() {
         // spec: G4, D5
@@ -785,7 +1141,7 @@ mod tests {
 
     #[async_trait]
     impl LedgerBackend for Faulty {
-        async fn write_batch(&self, r: &[RequestRecord], a: &[AttemptRecord]) -> Result<()> {
+        async fn write_batch(&self, r: &[RequestRecord], a: &[AttemptRecord], p: &[Payload]) -> Result<()> {
             if let Some(d) = self.slow {
                 tokio::time::sleep(d).await;
             }
@@ -793,7 +1149,25 @@ mod tests {
                 return Err(Error::Unavailable("database or disk is full".into()));
             }
             self.commits.fetch_add(1, Ordering::SeqCst);
-            self.inner.write_batch(r, a).await
+            self.inner.write_batch(r, a, p).await
+        }
+        async fn keyed(&self, k: &str, i: &str, since: UnixMs, now: UnixMs) -> Result<Option<KeyedRequest>> {
+            self.inner.keyed(k, i, since, now).await
+        }
+        async fn reconcile(&self, id: &str, r: &Reconcile, at: UnixMs) -> Result<RequestRecord> {
+            self.inner.reconcile(id, r, at).await
+        }
+        async fn side_effect(&self, id: &str, s: &SideEffect, at: UnixMs) -> Result<RequestRecord> {
+            self.inner.side_effect(id, s, at).await
+        }
+        async fn unknowns(&self, limit: u32) -> Result<Vec<RequestRecord>> {
+            self.inner.unknowns(limit).await
+        }
+        async fn figures(&self, since: UnixMs) -> Result<LedgerFigures> {
+            self.inner.figures(since).await
+        }
+        async fn prune(&self, now: UnixMs, before: Option<UnixMs>, vacuum: bool) -> Result<PruneReport> {
+            self.inner.prune(now, before, vacuum).await
         }
         async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>> {
             self.inner.get_request(id).await
@@ -1030,7 +1404,7 @@ mod tests {
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     backend
-                        .write_batch(&[rec(&format!("r{n:08}"), RequestState::Done)], &[])
+                        .write_batch(&[rec(&format!("r{n:08}"), RequestState::Done)], &[], &[])
                         .await
                         .unwrap();
                     n += 1;

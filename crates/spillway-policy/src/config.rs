@@ -84,6 +84,20 @@ struct RawConfig {
     /// Where operator alerts are also POSTed as JSON (G4).
     #[serde(default)]
     alert_webhook_url: Option<S<String>>,
+    #[serde(default)]
+    idempotency: Option<S<RawIdempotency>>,
+    /// I6: keep request bodies (prompts) in the ledger; by default only their hash.
+    #[serde(default)]
+    store_prompts: Option<S<bool>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawIdempotency {
+    #[serde(default)]
+    window_hours: Option<S<u64>>,
+    #[serde(default)]
+    max_stored_response_bytes: Option<S<u64>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -235,6 +249,29 @@ pub struct Config {
     /// G4: operator alerts are also POSTed here as JSON. It may carry a token, so it is
     /// never logged (hence no Debug of its own value).
     pub alert_webhook_url: Option<WebhookUrl>,
+    /// I2: how `Idempotency-Key`s and the responses kept for them behave.
+    pub idempotency: IdempotencySettings,
+    /// I6: request bodies are kept (for the idempotency window) instead of only hashed.
+    pub store_prompts: bool,
+}
+
+/// I2, I6: idempotency keys and the response copies kept for their repeats.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdempotencySettings {
+    /// Keys (scoped by gateway key) and the response copies expire after this.
+    pub window_ms: u64,
+    /// A response larger than this is not kept: a repeat of its key gets a 409 naming the
+    /// original request instead of the replayed body.
+    pub max_stored_response_bytes: u64,
+}
+
+impl Default for IdempotencySettings {
+    fn default() -> Self {
+        IdempotencySettings {
+            window_ms: 24 * 3_600_000,
+            max_stored_response_bytes: 1024 * 1024,
+        }
+    }
 }
 
 /// A webhook's URL: shown as `<webhook>` in debug output, as it often carries a token.
@@ -1143,10 +1180,26 @@ impl RawConfig {
             None => None,
         };
 
+        let mut idempotency = IdempotencySettings::default();
+        if let Some(i) = &self.idempotency {
+            let i = &i.value;
+            idempotency.window_ms =
+                cx.bounded(&i.window_hours, "idempotency.window_hours", 1..=24 * 90, 24) * 3_600_000;
+            idempotency.max_stored_response_bytes = cx.bounded(
+                &i.max_stored_response_bytes,
+                "idempotency.max_stored_response_bytes",
+                0..=64 * 1024 * 1024,
+                1024 * 1024,
+            );
+        }
+        let store_prompts = self.store_prompts.as_ref().is_some_and(|v| v.value);
+
         if !cx.errors.is_empty() {
             return Err(ConfigErrors(cx.errors));
         }
         Ok(Config {
+            idempotency,
+            store_prompts,
             control,
             metrics_token,
             alert_webhook_url,
@@ -1234,6 +1287,37 @@ owners:
         assert!(c.listen_warning.is_none());
         // The upstream key never shows in debug output (P3).
         assert!(!format!("{c:?}").contains("sk-upstream"));
+    }
+
+    #[test]
+    fn idempotency_settings_parse_and_name_bad_fields() {
+        // spec: I2, I6
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.idempotency.window_ms, 24 * 3_600_000);
+        assert!(!c.store_prompts);
+        let c = parse(&format!(
+            "idempotency:\n  window_hours: 2\n  max_stored_response_bytes: 1000\nstore_prompts: true\n{GOOD}"
+        ))
+        .unwrap();
+        assert_eq!(
+            (
+                c.idempotency.window_ms,
+                c.idempotency.max_stored_response_bytes,
+                c.store_prompts
+            ),
+            (7_200_000, 1000, true)
+        );
+        let e = parse(&format!("idempotency:\n  window_hours: 0\n{GOOD}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("gw.yaml:2:17") && e.contains("idempotency.window_hours: must be between 1 and 2160"),
+            "{e}"
+        );
+        let e = parse(&format!("idempotency:\n  window: 3\n{GOOD}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("window"), "{e}");
     }
 
     #[test]

@@ -23,10 +23,15 @@ pub enum ErrorKind {
     MethodNotAllowed,
     /// 408: the client did not send its body in time.
     RequestTimeout,
+    /// 409: the request's `Idempotency-Key` names work still in progress, or whose outcome
+    /// is unknown (I2).
+    Conflict,
     /// 413: body over the configured limit.
     PayloadTooLarge,
     /// 415: the body is not `application/json`.
     UnsupportedMediaType,
+    /// 422: the request's `Idempotency-Key` was used with another body (I2).
+    Unprocessable,
     /// 429: a key's limits, or upstream capacity.
     RateLimited,
     /// 500: the gateway itself failed (a bug); the request is closed and recorded.
@@ -47,8 +52,10 @@ impl ErrorKind {
             ErrorKind::NotFound => 404,
             ErrorKind::MethodNotAllowed => 405,
             ErrorKind::RequestTimeout => 408,
+            ErrorKind::Conflict => 409,
             ErrorKind::PayloadTooLarge => 413,
             ErrorKind::UnsupportedMediaType => 415,
+            ErrorKind::Unprocessable => 422,
             ErrorKind::RateLimited => 429,
             ErrorKind::Internal => 500,
             ErrorKind::Upstream => 502,
@@ -66,6 +73,9 @@ impl ErrorKind {
                 | ErrorKind::Unavailable
                 | ErrorKind::Internal
                 | ErrorKind::RequestTimeout
+                // Work still in progress under the same `Idempotency-Key`: a retry later
+                // gets its stored result (an unknown outcome is marked futile instead).
+                | ErrorKind::Conflict
         )
     }
 
@@ -81,6 +91,8 @@ impl ErrorKind {
             ErrorKind::RequestTimeout => ("invalid_request_error", Some("request_timeout")),
             ErrorKind::PayloadTooLarge => ("invalid_request_error", Some("request_too_large")),
             ErrorKind::UnsupportedMediaType => ("invalid_request_error", Some("unsupported_media_type")),
+            ErrorKind::Conflict => ("idempotency_error", Some("conflict")),
+            ErrorKind::Unprocessable => ("idempotency_error", Some("idempotency_key_reused")),
             ErrorKind::RateLimited => ("rate_limit_exceeded", Some("rate_limit_exceeded")),
             ErrorKind::Internal => ("api_error", Some("internal_error")),
             ErrorKind::Upstream => ("api_error", Some("api_error")),
@@ -93,7 +105,9 @@ impl ErrorKind {
             ErrorKind::InvalidRequest
             | ErrorKind::MethodNotAllowed
             | ErrorKind::RequestTimeout
-            | ErrorKind::UnsupportedMediaType => "invalid_request_error",
+            | ErrorKind::UnsupportedMediaType
+            | ErrorKind::Conflict
+            | ErrorKind::Unprocessable => "invalid_request_error",
             ErrorKind::Authentication => "authentication_error",
             ErrorKind::Forbidden => "permission_error",
             ErrorKind::InsufficientQuota => "billing_error",
@@ -110,7 +124,9 @@ impl ErrorKind {
             ErrorKind::InvalidRequest
             | ErrorKind::PayloadTooLarge
             | ErrorKind::MethodNotAllowed
-            | ErrorKind::UnsupportedMediaType => "INVALID_ARGUMENT",
+            | ErrorKind::UnsupportedMediaType
+            | ErrorKind::Unprocessable => "INVALID_ARGUMENT",
+            ErrorKind::Conflict => "ABORTED",
             ErrorKind::Authentication => "UNAUTHENTICATED",
             ErrorKind::Forbidden => "PERMISSION_DENIED",
             ErrorKind::RequestTimeout => "DEADLINE_EXCEEDED",
