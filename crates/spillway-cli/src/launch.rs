@@ -121,6 +121,15 @@ fn simulated_targets(config: &Config) -> Vec<Target> {
     targets
 }
 
+/// The ledger file: `--ledger`, else the config's, else `ledger.db` in the data directory.
+pub fn ledger_path(flag: Option<&Path>, config: &Config) -> Result<PathBuf, LaunchError> {
+    Ok(match (flag, &config.ledger) {
+        (Some(p), _) => p.to_owned(),
+        (None, Some(LedgerLocation::Sqlite(p))) => p.clone(),
+        (None, None) => spillway_engine::data_dir()?.join("ledger.db"),
+    })
+}
+
 /// Starts everything `l` asks for.
 pub async fn launch(l: Launch) -> Result<Launched, LaunchError> {
     let mut config = load(l.config.as_deref())?;
@@ -139,11 +148,7 @@ pub async fn launch(l: Launch) -> Result<Launched, LaunchError> {
         }
         _ => None,
     };
-    let ledger_path = match (&l.ledger, &config.ledger) {
-        (Some(p), _) => p.clone(),
-        (None, Some(LedgerLocation::Sqlite(p))) => p.clone(),
-        (None, None) => spillway_engine::data_dir()?.join("ledger.db"),
-    };
+    let ledger_path = ledger_path(l.ledger.as_deref(), &config)?;
     let token = spillway_engine::admin_token()?;
     let console = match l
         .ui_dir

@@ -33,6 +33,11 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// Look after the ledger of a gateway that is not running.
+    Ledger {
+        #[command(subcommand)]
+        command: LedgerCommand,
+    },
     /// Run the simulated providers.
     Sim {
         /// Scenario file (YAML): behaviour per channel.
@@ -41,6 +46,57 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: SocketAddr,
     },
+}
+
+#[derive(Subcommand)]
+enum LedgerCommand {
+    /// Remove expired response copies (I6) and, with --older-than-days, finished requests
+    /// older than that (unknown and in-flight ones are always kept), then give the space
+    /// back to the file system. A running gateway holds its ledger: prune it from the
+    /// console (Ledger size → Prune) or POST /admin/v1/ledger/prune instead.
+    Prune {
+        /// Gateway config whose ledger to prune. Default: the embedded default's.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Ledger file; overrides the config.
+        #[arg(long)]
+        ledger: Option<PathBuf>,
+        /// Also remove finished requests received more than this many days ago.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        older_than_days: Option<u32>,
+    },
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+async fn prune(config: Option<PathBuf>, ledger: Option<PathBuf>, older_than_days: Option<u32>) -> Result<()> {
+    let c = launch::load(config.as_deref())?;
+    let path = launch::ledger_path(ledger.as_deref(), &c)?;
+    if !path.exists() {
+        anyhow::bail!("no ledger at {}: nothing to prune", path.display());
+    }
+    let backend = spillway_ledger::SqliteBackend::open(&path).await.map_err(|e| match e {
+        spillway_ledger::Error::Locked { .. } => anyhow::anyhow!(
+            "{e}\nA running gateway can prune its own ledger: use the console (Overview → Ledger → Prune) or POST /admin/v1/ledger/prune."
+        ),
+        e => e.into(),
+    })?;
+    use spillway_ledger::LedgerBackend;
+    let now = spillway_wire::UnixMs::from_system(std::time::SystemTime::now());
+    let before = older_than_days.map(|d| spillway_wire::UnixMs(now.0 - i64::from(d) * 86_400_000));
+    let r = backend.prune(now, before, true).await?;
+    println!(
+        "{}: removed {} expired response copies, {} finished requests and {} attempts; {} -> {}",
+        path.display(),
+        r.payloads,
+        r.requests,
+        r.attempts,
+        mib(r.bytes_before),
+        mib(r.bytes_after)
+    );
+    Ok(())
 }
 
 /// The one line scripts and tests read; stdout is flushed so a pipe sees it at once.
@@ -183,6 +239,14 @@ fn main() -> Result<()> {
                 Ok(())
             }
             Command::Sim { scenario, listen } => sim(scenario, listen).await,
+            Command::Ledger {
+                command:
+                    LedgerCommand::Prune {
+                        config,
+                        ledger,
+                        older_than_days,
+                    },
+            } => prune(config, ledger, older_than_days).await,
         }
     });
     // Everything that mattered is flushed; whatever task is left is not waited for.
