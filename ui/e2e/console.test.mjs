@@ -308,3 +308,73 @@ test('a breaker opens when the provider fails and closes after probation when it
   assert.match(new URL(p.url()).pathname, /\/breakers\/anthropic\//)
   await p.context().close()
 })
+
+/** A gateway of this test's own on `data`: its URL, demo key, simulator URL and process. */
+async function ownGateway(data) {
+  const env = { ...process.env, SPILLWAY_DATA_DIR: data, SPILLWAY_LOG: 'warn' }
+  for (const k of ['OPENAI_API_KEY', 'ANTHROPIC_API_KEY', 'GEMINI_API_KEY']) delete env[k]
+  const proc = spawn(BIN, ['serve', '--listen', '127.0.0.1:0', '--ui-dir', join(root, 'ui', 'dist')], { env })
+  proc.stderr.on('data', () => {})
+  const listening = readLine(proc, 'spillway listening on ')
+  const key = readLine(proc, 'demo key (shown once): ')
+  const sim = readLine(proc, 'simulated providers: ')
+  return { proc, url: await listening, key: await key, sim: (await sim).split(' ')[0] }
+}
+
+test('a crash leaves an unknown outcome; an owner reconciles it in the inbox', async () => {
+  // spec: I4, L3, I2
+  const data = mkdtempSync(join(tmpdir(), 'spillway-e2e-unknown-'))
+  const token = () => readFileSync(join(data, 'admin-token'), 'utf8').trim()
+  const first = await ownGateway(data)
+  const ov = await (await fetch(`${first.url}/admin/v1/overview`, { headers: { Authorization: `Bearer ${token()}` } })).json()
+  const ch = ov.channels.find((c) => c.format === 'openai').name
+  await fetch(`${first.sim}/_control/channels/${ch}`, { method: 'PUT', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ latency_ms: 60_000 }) })
+  const body = JSON.stringify({ model: 'gpt-4o-mini', messages: [{ role: 'user', content: 'send the invoice' }] })
+  const ask = (g) => fetch(`${g.url}/v1/chat/completions`, {
+    method: 'POST', body,
+    headers: { 'content-type': 'application/json', authorization: `Bearer ${g.key}`, 'idempotency-key': 'invoice-42' },
+  })
+  ask(first).catch(() => {})
+  await until('the call to be in flight', async () => (await (await fetch(`${first.sim}/_control/channels/${ch}`)).json()).stats.in_flight === 1)
+  first.proc.kill('SIGKILL')
+  await new Promise((r) => first.proc.on('exit', r))
+
+  const g = await ownGateway(data)
+  try {
+    // The client's retry is refused: nothing is sent twice.
+    const again = await ask(g)
+    assert.equal(again.status, 409)
+    assert.match((await again.json()).error.message, /`unknown`/)
+
+    const p = await page()
+    await p.goto(`${g.url}/#token=${token()}`)
+    await until('the unknown tile', async () => (await p.getByTestId('tile-unknown').textContent().catch(() => '')) === '1')
+    await p.getByRole('link', { name: 'Unknowns' }).click()
+    const row = p.getByTestId('unknowns').locator('tbody tr')
+    await until('the inbox row', async () => (await row.count()) === 1)
+    assert.match(await row.textContent(), /invoice-42/)
+    await row.click()
+    const form = p.getByTestId('reconcile-form')
+    await form.waitFor()
+    assert.match(await p.getByTestId('unknown-facts').textContent(), new RegExp(ch))
+    await accessible(p, 'the unknown outcomes inbox')
+    await p.screenshot({ path: join(SHOTS, 'unknowns-browser.png'), fullPage: true })
+    await form.getByTestId('outcome-done').check()
+    await form.getByTestId('reconcile-actor').fill('e2e owner')
+    await form.getByTestId('reconcile-reason').fill('found in the provider usage log')
+    assert.equal(await form.getByTestId('reconcile-submit').isDisabled(), true, 'confirmed done needs its result id')
+    await form.getByTestId('outcome-not-executed').check()
+    await form.getByTestId('reconcile-submit').click()
+    await until('the inbox to empty', async () => (await p.getByTestId('unknowns-empty').count()) === 1)
+    const audit = await (await fetch(`${g.url}/admin/v1/audit?kind=request`, { headers: { Authorization: `Bearer ${token()}` } })).json()
+    assert.equal(audit[0].actor, 'e2e owner')
+    assert.equal(audit[0].action, 'unknown->confirmed_not_executed')
+    // Confirmed not executed: the key runs once more, then replays.
+    assert.equal((await ask(g)).status, 200)
+    const replay = await ask(g)
+    assert.equal(replay.headers.get('x-spillway-idempotent-replay'), 'true')
+    await p.context().close()
+  } finally {
+    g.proc.kill('SIGTERM')
+  }
+})

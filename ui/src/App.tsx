@@ -4,6 +4,7 @@ import { BreakersView } from './Breakers'
 import { ConnectView } from './Connect'
 import { LedgerView } from './Ledger'
 import { OverviewView } from './Overview'
+import { UnknownsView } from './Unknowns'
 import { linkProps, navigate, useRoute } from './router'
 
 const KEY = 'spillway.connection'
@@ -34,6 +35,7 @@ export function App() {
       if (e.key === '1') navigate({ view: 'overview' })
       if (e.key === '2') navigate({ view: 'breakers', route: null })
       if (e.key === '3') navigate({ view: 'ledger', id: null })
+      if (e.key === '4') navigate({ view: 'unknowns', id: null })
     }
     window.addEventListener('keydown', onKey)
     return () => window.removeEventListener('keydown', onKey)
@@ -60,6 +62,7 @@ export function App() {
           <a {...linkProps({ view: 'overview' })} aria-current={route.view === 'overview' ? 'page' : undefined} title="Overview (1)">Overview</a>
           <a {...linkProps({ view: 'breakers', route: null })} aria-current={route.view === 'breakers' ? 'page' : undefined} title="Breakers (2)">Breakers</a>
           <a {...linkProps({ view: 'ledger', id: null })} aria-current={route.view === 'ledger' ? 'page' : undefined} title="Ledger (3)">Ledger</a>
+          <a {...linkProps({ view: 'unknowns', id: null })} aria-current={route.view === 'unknowns' ? 'page' : undefined} title="Unknown outcomes (4)">Unknowns</a>
         </nav>
         <span className="muted gateway">{conn.url}</span>
         <button className="link" onClick={() => { sessionStorage.removeItem(KEY); setConn(null) }}>Disconnect</button>
@@ -68,6 +71,7 @@ export function App() {
         {route.view === 'overview' && <OverviewView conn={conn} />}
         {route.view === 'breakers' && <BreakersView conn={conn} selected={route.route} />}
         {route.view === 'ledger' && <LedgerView conn={conn} selected={route.id} />}
+        {route.view === 'unknowns' && <UnknownsView conn={conn} selected={route.id} />}
       </main>
     </>
   )

@@ -13,7 +13,10 @@ const overview: Overview = {
   control: [],
   rejections: [{ at: 1_780_000_000_000, reason: 'forbidden_host', format: 'openai', peer: '127.0.0.1' }],
   ledger: { ok: false, failing_since: 1_779_999_990_000, error: 'database or disk is full', waiting: 42 },
-  ledger_figures: null,
+  ledger_figures: {
+    unknown: 2, unknown_by_route: [{ route: 'openai/gpt-4o-mini', count: 2 }], duplicates: 0, duplicates_by_route: [],
+    bytes: 5 * 1024 * 1024, payload_bytes: 1000, payloads: 3,
+  },
 }
 
 vi.mock('./useLive', () => ({
@@ -33,5 +36,15 @@ describe('overview', () => {
     expect(banner.textContent).toMatch(/42 finished records/)
     expect(screen.getByTestId('rejections').textContent).toMatch(/foreign Host name.*openai.*127\.0\.0\.1/)
     expect(screen.getByTestId('tile-rejected').textContent).toBe('3')
+  })
+
+  it('shows unknown outcomes, duplicates and the ledger size', async () => {
+    // spec: N1, I6
+    const { OverviewView } = await import('./Overview')
+    render(<OverviewView conn={{ url: 'http://127.0.0.1:9', token: 't' }} />)
+    expect(screen.getAllByTestId('tile-unknown').at(-1)?.textContent).toBe('2')
+    expect(screen.getAllByTestId('tile-duplicates').at(-1)?.textContent).toBe('0')
+    expect(screen.getAllByTestId('tile-ledger-size').at(-1)?.textContent).toBe('5.0 MiB')
+    expect(screen.getAllByTestId('ledger-per-route').at(-1)?.textContent).toMatch(/openai\/gpt-4o-mini.*unknown.*2/)
   })
 })

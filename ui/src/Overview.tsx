@@ -1,10 +1,12 @@
 import { useMemo, useState } from 'react'
-import { restoreChannel, type Connection } from './api'
+import { pruneLedger, restoreChannel, type Connection } from './api'
+import type { LedgerFigures } from './bindings/LedgerFigures'
+import type { PruneReport } from './bindings/PruneReport'
 import type { ChannelView } from './bindings/ChannelView'
 import type { RouteControlView } from './bindings/RouteControlView'
 import { linkProps } from './router'
 import { Chart } from './Chart'
-import { breakerPill, count, errorMix, ms, pct, rate, rejectReason, rotationPill, severityClass, time, usd } from './format'
+import { breakerPill, bytes, count, errorMix, ms, pct, rate, rejectReason, rotationPill, severityClass, time, usd } from './format'
 import { useLive } from './useLive'
 
 export function OverviewView({ conn }: { conn: Connection }) {
@@ -61,6 +63,7 @@ export function OverviewView({ conn }: { conn: Connection }) {
         <Tile label="In flight" value={count(h.in_flight)} hint="Requests admitted to a channel and not finished" testid="tile-inflight" />
         <Tile label="Refused, no row" value={count(h.rejected_last_minute)} hint="Requests refused without a ledger row, last 60 s: no valid key, a foreign Host name, or a ledger refusing writes; counted, not written one by one" testid="tile-rejected" />
       </div>
+      <LedgerPanel conn={conn} f={overview.ledger_figures} />
       <div className="charts">
         <Chart title="Traffic, last 15 min" data={charts.traffic} series={[{ label: 'requests', color: '#3b82f6', unit: '/s' }, { label: 'errors', color: '#ef4444', unit: '/s' }]} />
         <Chart title="Latency" data={charts.latency} series={[{ label: 'p50', color: '#10b981', unit: 'ms' }, { label: 'p95', color: '#f59e0b', unit: 'ms' }]} />
@@ -208,6 +211,72 @@ function Tile({ label, value, hint, testid }: { label: string; value: string; hi
     <div className="tile" title={hint}>
       <div className="tile-label">{label}</div>
       <div className="tile-value" data-testid={testid}>{value}</div>
+    </div>
+  )
+}
+
+/** N1, I6: what the ledger itself says: outcomes nobody knows, keys that ran twice (must
+ * be 0), and its size, with a prune that goes on the audit log. */
+function LedgerPanel({ conn, f }: { conn: Connection; f: LedgerFigures | null }) {
+  const [asking, setAsking] = useState(false)
+  const [actor, setActor] = useState(() => localStorage.getItem('spillway.actor') ?? '')
+  const [reason, setReason] = useState('')
+  const [days, setDays] = useState('')
+  const [busy, setBusy] = useState(false)
+  const [msg, setMsg] = useState<{ ok: boolean; text: string } | null>(null)
+  if (!f) return null
+  const prune = async (e: React.FormEvent) => {
+    e.preventDefault()
+    setBusy(true)
+    setMsg(null)
+    try {
+      localStorage.setItem('spillway.actor', actor.trim())
+      const r: PruneReport = await pruneLedger(conn, { actor, reason, older_than_days: days ? Number(days) : null })
+      setMsg({ ok: true, text: `Removed ${count(r.payloads)} expired response copies, ${count(r.requests)} requests and ${count(r.attempts)} attempts. The file keeps its size and reuses the space; \`spillway ledger prune\` on a stopped gateway gives it back.` })
+      setAsking(false)
+      setReason('')
+    } catch (err) {
+      setMsg({ ok: false, text: (err as Error).message })
+    } finally {
+      setBusy(false)
+    }
+  }
+  const perRoute = [...f.unknown_by_route.map((c) => ({ ...c, kind: 'unknown' })), ...f.duplicates_by_route.map((c) => ({ ...c, kind: 'duplicate' }))]
+  return (
+    <div className="ledger-panel" data-testid="ledger-panel">
+      <div className="tiles">
+        <a className={f.unknown ? 'tile warn' : 'tile'} {...linkProps({ view: 'unknowns', id: null })} title="Requests whose provider call was cut by a stop: never resent until an owner reconciles them">
+          <div className="tile-label">Unknown outcomes</div>
+          <div className="tile-value" data-testid="tile-unknown">{count(f.unknown)}</div>
+        </a>
+        <div className={f.duplicates ? 'tile bad' : 'tile'} title="Idempotency-Keys that reached the provider and completed more than once, within the key window. Must be 0.">
+          <div className="tile-label">Duplicates</div>
+          <div className="tile-value" data-testid="tile-duplicates">{count(f.duplicates)}</div>
+        </div>
+        <div className="tile" title={`Database and write-ahead log on disk; of which ${bytes(f.payload_bytes)} in ${count(f.payloads)} kept body copies (replays, prompts when configured)`}>
+          <div className="tile-label">Ledger size</div>
+          <div className="tile-value" data-testid="tile-ledger-size">{bytes(f.bytes)}</div>
+          {!asking && <button className="link small" onClick={() => setAsking(true)} data-testid="prune">Prune…</button>}
+        </div>
+      </div>
+      {perRoute.length > 0 && (
+        <table className="grid" data-testid="ledger-per-route">
+          <caption className="muted small">Unknown outcomes and duplicates per route</caption>
+          <thead><tr><th>Route</th><th>What</th><th className="num">Count</th></tr></thead>
+          <tbody>{perRoute.map((c) => <tr key={`${c.kind}-${c.route}`}><td>{c.route}</td><td>{c.kind}</td><td className="num">{count(c.count)}</td></tr>)}</tbody>
+        </table>
+      )}
+      {asking && (
+        <form onSubmit={prune} className="inline-form" data-testid="prune-form">
+          <span className="small">Removes expired response copies and, if you give a number of days, finished requests older than that. Unknown and running requests are always kept.</span>
+          <input aria-label="Finished requests older than (days, optional)" placeholder="older than (days, optional)" type="number" min={1} value={days} onChange={(e) => setDays(e.target.value)} />
+          <input aria-label="Your name" placeholder="Your name" value={actor} onChange={(e) => setActor(e.target.value)} required maxLength={64} />
+          <input aria-label="Reason" placeholder="Reason (goes on the audit log)" value={reason} onChange={(e) => setReason(e.target.value)} required maxLength={500} />
+          <button type="submit" disabled={busy || !actor.trim() || !reason.trim()} className="danger">Prune</button>
+          <button type="button" onClick={() => setAsking(false)}>Cancel</button>
+        </form>
+      )}
+      {msg && <p role={msg.ok ? 'status' : 'alert'} className={msg.ok ? 'ok-text small' : 'error small'}>{msg.text}</p>}
     </div>
   )
 }

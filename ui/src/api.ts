@@ -11,6 +11,11 @@ import type { RequestDetail } from './bindings/RequestDetail'
 import type { Search } from './bindings/Search'
 import type { Tick } from './bindings/Tick'
 import type { OperatorAlert } from './bindings/OperatorAlert'
+import type { LedgerFigures } from './bindings/LedgerFigures'
+import type { PruneAction } from './bindings/PruneAction'
+import type { PruneReport } from './bindings/PruneReport'
+import type { Reconcile } from './bindings/Reconcile'
+import type { RequestRecord } from './bindings/RequestRecord'
 
 export type Connection = { url: string; token: string }
 
@@ -79,6 +84,20 @@ export function getAudit(c: Connection, kind: string | null, subject: string | n
   if (subject) p.set('subject', subject)
   return call<AuditEntry[]>(c, `/admin/v1/audit?${p}`)
 }
+
+/** I4: requests whose outcome is unknown, newest first, each with its attempts. */
+export const getUnknowns = (c: Connection, limit = 100) =>
+  call<RequestDetail[]>(c, `/admin/v1/unknowns?limit=${limit}`)
+
+/** I4: an owner's verdict on one unknown request, on the audit log. */
+export const reconcile = (c: Connection, id: string, r: Reconcile) =>
+  call<RequestRecord>(c, `/admin/v1/requests/${encodeURIComponent(id)}/reconcile`, post(r))
+
+/** N1, I6: unknowns and duplicates per route, the ledger's size, computed now. */
+export const getLedgerFigures = (c: Connection) => call<LedgerFigures>(c, '/admin/v1/ledger')
+
+/** I6: prunes expired response copies (and old finished requests when asked), audited. */
+export const pruneLedger = (c: Connection, a: PruneAction) => call<PruneReport>(c, '/admin/v1/ledger/prune', post(a))
 
 export type LiveEvent =
   | { kind: 'overview'; data: Overview }

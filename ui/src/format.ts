@@ -237,3 +237,22 @@ export function trigger(t: string | null): string {
   if (!t) return '—'
   return t in TRIGGER ? TRIGGER[t as Trigger] : t
 }
+
+/** Bytes as an operator reads them. */
+export function bytes(v: number | null | undefined): string {
+  if (v === null || v === undefined) return '—'
+  if (v < 1024) return `${v} B`
+  if (v < 1024 * 1024) return `${(v / 1024).toFixed(1)} KiB`
+  if (v < 1024 * 1024 * 1024) return `${(v / (1024 * 1024)).toFixed(1)} MiB`
+  return `${(v / (1024 * 1024 * 1024)).toFixed(2)} GiB`
+}
+
+/** How long ago `at` was, from `now`, coarsely (an inbox's oldest item). */
+export function age(at: number | null | undefined, now: number): string {
+  if (at === null || at === undefined) return '—'
+  const s = Math.max(0, Math.round((now - at) / 1000))
+  if (s < 90) return `${s} s`
+  if (s < 90 * 60) return `${Math.round(s / 60)} min`
+  if (s < 48 * 3600) return `${Math.round(s / 3600)} h`
+  return `${Math.round(s / 86400)} d`
+}

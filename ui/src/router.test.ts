@@ -10,6 +10,8 @@ describe('router', () => {
       { view: 'breakers' as const, route: 'gemini/models name?#%' },
       { view: 'ledger' as const, id: null },
       { view: 'ledger' as const, id: '0195f0a1-7c3e-7000-8000-000000000001' },
+      { view: 'unknowns' as const, id: null },
+      { view: 'unknowns' as const, id: '0195f0a1-7c3e-7000-8000-000000000002' },
     ]) {
       expect(parse(href(r))).toEqual(r)
     }

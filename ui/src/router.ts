@@ -6,11 +6,13 @@ export type Route =
   | { view: 'overview' }
   | { view: 'breakers'; route: string | null }
   | { view: 'ledger'; id: string | null }
+  | { view: 'unknowns'; id: string | null }
 
 export function parse(path: string): Route {
   const parts = path.split('/').filter(Boolean).map(decodeURIComponent)
   if (parts[0] === 'breakers') return { view: 'breakers', route: parts.length > 1 ? parts.slice(1).join('/') : null }
   if (parts[0] === 'ledger') return { view: 'ledger', id: parts[1] ?? null }
+  if (parts[0] === 'unknowns') return { view: 'unknowns', id: parts[1] ?? null }
   return { view: 'overview' }
 }
 
@@ -23,6 +25,8 @@ export function href(r: Route): string {
       return r.route ? `/breakers/${r.route.split('/').map(encodeURIComponent).join('/')}` : '/breakers'
     case 'ledger':
       return r.id ? `/ledger/${encodeURIComponent(r.id)}` : '/ledger'
+    case 'unknowns':
+      return r.id ? `/unknowns/${encodeURIComponent(r.id)}` : '/unknowns'
   }
 }
 
