@@ -322,13 +322,16 @@ async fn one(
     key: &str,
     payload: Bytes,
     mode: Mode,
+    idempotency_key: Option<String>,
 ) -> Result<(Duration, u64), Duration> {
     let from = Instant::now();
-    let Ok(req) = hyper::Request::post(url)
+    let mut req = hyper::Request::post(url)
         .header("content-type", "application/json")
-        .header("authorization", format!("Bearer {key}"))
-        .body(Full::new(payload))
-    else {
+        .header("authorization", format!("Bearer {key}"));
+    if let Some(k) = idempotency_key {
+        req = req.header("idempotency-key", k);
+    }
+    let Ok(req) = req.body(Full::new(payload)) else {
         return Err(from.elapsed());
     };
     let from = Instant::now();
@@ -392,6 +395,22 @@ async fn fixed_rate_with(
     rate: u64,
     secs: u64,
 ) -> Percentiles {
+    fixed_rate_keyed(client, url, key, payload, stream, rate, secs, None).await
+}
+
+/// [`fixed_rate_with`], each request with an `Idempotency-Key` of its own when `keys`
+/// names a prefix (I2: every request claims a key and stores its response).
+#[allow(clippy::too_many_arguments)]
+async fn fixed_rate_keyed(
+    client: &HttpClient,
+    url: &str,
+    key: &str,
+    payload: Bytes,
+    stream: bool,
+    rate: u64,
+    secs: u64,
+    keys: Option<&str>,
+) -> Percentiles {
     let mode = if stream { Mode::FirstToken } else { Mode::Whole };
     let hist = Arc::new(std::sync::Mutex::new(
         Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).expect("bounds"),
@@ -420,9 +439,10 @@ async fn fixed_rate_with(
             lag.clone(),
             last_done.clone(),
         );
+        let idem = keys.map(|k| format!("{k}-{i}"));
         tasks.push(tokio::spawn(async move {
             let late = scheduled.elapsed();
-            let result = one(&client, &url, &key, payload, mode).await;
+            let result = one(&client, &url, &key, payload, mode, idem).await;
             // The warm-up second counts for nothing, failures included.
             if i < warmup {
                 return;
@@ -492,7 +512,10 @@ async fn max_throughput(client: &HttpClient, url: &str, key: &str, concurrency: 
         );
         tasks.push(tokio::spawn(async move {
             while Instant::now() < end {
-                if one(&client, &url, &key, payload.clone(), Mode::Whole).await.is_ok() {
+                if one(&client, &url, &key, payload.clone(), Mode::Whole, None)
+                    .await
+                    .is_ok()
+                {
                     done.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -674,6 +697,103 @@ struct Verdict {
     limit: String,
 }
 
+/// Spillway at a fixed rate with an `Idempotency-Key` on every request (I2), beside the
+/// same phase without one.
+#[derive(Serialize)]
+struct KeyedRow {
+    rate_rps: u64,
+    added_p50_us: i64,
+    added_p99_us: i64,
+    plain_added_p50_us: i64,
+    plain_added_p99_us: i64,
+    plain_cpu_us_per_request: Option<f64>,
+    spillway: Measured,
+}
+
+/// The ledger's write path alone, through its group-committing writer on a real file:
+/// each simulated request writes `calling_api` durably (waiting for its commit), then its
+/// attempt and its final state without waiting, as the gateway does.
+#[derive(Serialize)]
+struct LedgerWrites {
+    writers: usize,
+    seconds: f64,
+    requests: u64,
+    /// Rows written per second (3 per request).
+    events_per_s: f64,
+    /// Durable `calling_api` writes acknowledged per second.
+    durable_per_s: f64,
+    /// How long a durable write waited for its commit.
+    durable_p50_us: u64,
+    durable_p99_us: u64,
+}
+
+async fn ledger_writes(writers: usize, secs: f64) -> Result<LedgerWrites> {
+    use spillway_ledger::{AttemptRecord, Ledger, RequestRecord, RequestState};
+    use spillway_wire::{Format, UnixMs};
+    let dir = work_dir()?;
+    let ledger = Ledger::open_sqlite(&dir.path().join("ledger.db")).await?;
+    let hist = Arc::new(std::sync::Mutex::new(Histogram::<u64>::new_with_bounds(
+        1, 60_000_000, 3,
+    )?));
+    let done = Arc::new(AtomicU64::new(0));
+    let until = Instant::now() + Duration::from_secs_f64(secs);
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let (ledger, hist, done) = (ledger.clone(), hist.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while Instant::now() < until {
+                let id = format!("{:08x}-0000-7000-8000-{:012x}", w, n);
+                n += 1;
+                let mut r = RequestRecord::received(
+                    id.clone(),
+                    id.replace('-', ""),
+                    Format::OpenAi,
+                    "/v1/chat/completions",
+                    UnixMs(1),
+                );
+                r.key_name = Some("bench".into());
+                r.idempotency_key = Some(format!("k-{w}-{n}"));
+                r.state = RequestState::CallingApi;
+                let t = Instant::now();
+                if ledger.put_request_durable(r.clone()).await.is_err() {
+                    return;
+                }
+                let _ = hist
+                    .lock()
+                    .map(|mut h| h.saturating_record(t.elapsed().as_micros().max(1) as u64));
+                let _ = ledger
+                    .put_attempt(AttemptRecord::started(&id, 1, "bench", UnixMs(2)))
+                    .await;
+                r.state = RequestState::Done;
+                let _ = ledger.put_request(r).await;
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    let t0 = Instant::now();
+    for t in tasks {
+        let _ = t.await;
+    }
+    ledger.flush().await?;
+    let took = t0.elapsed().as_secs_f64();
+    ledger.close(Duration::from_secs(5)).await?;
+    let requests = done.load(Ordering::Relaxed);
+    let h = hist
+        .lock()
+        .map(|h| h.clone())
+        .map_err(|_| anyhow::anyhow!("histogram"))?;
+    Ok(LedgerWrites {
+        writers,
+        seconds: took,
+        requests,
+        events_per_s: (requests * 3) as f64 / took,
+        durable_per_s: requests as f64 / took,
+        durable_p50_us: h.value_at_quantile(0.5),
+        durable_p99_us: h.value_at_quantile(0.99),
+    })
+}
+
 #[derive(Serialize)]
 struct Report {
     when_unix: u64,
@@ -688,6 +808,8 @@ struct Report {
     failover: Option<FailoverRun>,
     dead_channel: Option<DeadChannelRun>,
     commit_cost: Vec<CommitCost>,
+    idempotency: Vec<KeyedRow>,
+    ledger_writes: Vec<LedgerWrites>,
     ledger_rows: u64,
     ledger_search: Vec<SearchTiming>,
     verdicts: Vec<Verdict>,
@@ -781,7 +903,7 @@ async fn slow_streams(client: &HttpClient, t: &Target, key: &str, streams: usize
     for _ in 0..streams {
         let (client, url, key, payload) = (client.clone(), url.clone(), key.to_owned(), payload.clone());
         tasks.push(tokio::spawn(async move {
-            one(&client, &url, &key, payload, Mode::Whole).await.is_ok()
+            one(&client, &url, &key, payload, Mode::Whole, None).await.is_ok()
         }));
     }
     let mut peak = rss_before;
@@ -969,6 +1091,35 @@ async fn main() -> Result<()> {
         });
     }
 
+    let mut keyed = Vec::new();
+    for base in rows.iter().filter(|r| r.kind == "non-streaming" && r.rate_rps <= 2000) {
+        let rate = base.rate_rps;
+        eprintln!("measuring non-streaming at {rate} req/s with an Idempotency-Key on every request ...");
+        let m = Meter::start(&spillway, tck);
+        let prefix = format!("bench-{rate}-{}", std::process::id());
+        let lat = fixed_rate_keyed(
+            &client,
+            &spillway.url("bench"),
+            key,
+            body(false),
+            false,
+            rate,
+            secs,
+            Some(&prefix),
+        )
+        .await;
+        let g = m.finish(lat, rate * (secs + 1));
+        keyed.push(KeyedRow {
+            rate_rps: rate,
+            added_p50_us: g.lat.p50_us as i64 - base.direct.p50_us as i64,
+            added_p99_us: g.lat.p99_us as i64 - base.direct.p99_us as i64,
+            plain_added_p50_us: base.spillway_added_p50_us,
+            plain_added_p99_us: base.spillway_added_p99_us,
+            plain_cpu_us_per_request: base.spillway.cpu_us_per_request,
+            spillway: g,
+        });
+    }
+
     eprintln!(
         "measuring closed-loop throughput with {} connections ...",
         args.concurrency
@@ -1089,6 +1240,11 @@ async fn main() -> Result<()> {
 
     eprintln!("measuring what a durable commit costs ...");
     let commits = commit_cost(2000).await?;
+    eprintln!("measuring the ledger's write path alone (group commit) ...");
+    let mut writes = Vec::new();
+    for writers in [1, 64, 512] {
+        writes.push(ledger_writes(writers, 3.0).await?);
+    }
     let searches = if args.ledger_rows > 0 {
         ledger_search(args.ledger_rows).await?
     } else {
@@ -1214,6 +1370,43 @@ async fn main() -> Result<()> {
     println!("|---|---|---|");
     for c in &commits {
         println!("| {} | {} | {} |", c.durability, us(c.p50_us), us(c.p99_us));
+    }
+    if !keyed.is_empty() {
+        println!("\nSpillway with an Idempotency-Key on every request (claim, lookup, stored response)\n");
+        println!("| rate | added p50 | added p99 | without the key: added p50 / p99 | CPU per request (without) |");
+        println!("|---|---|---|---|---|");
+        for k in &keyed {
+            println!(
+                "| {} req/s | {} | {} | {} / {} | {} ({}) |{}",
+                k.rate_rps,
+                signed_us(k.added_p50_us),
+                signed_us(k.added_p99_us),
+                signed_us(k.plain_added_p50_us),
+                signed_us(k.plain_added_p99_us),
+                k.spillway
+                    .cpu_us_per_request
+                    .map_or("—".into(), |v| format!("{v:.0} µs")),
+                k.plain_cpu_us_per_request.map_or("—".into(), |v| format!("{v:.0} µs")),
+                if k.spillway.lat.failed > 0 {
+                    format!(" {} failed", k.spillway.lat.failed)
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
+    println!("\nthe ledger's write path alone (durable calling_api, then attempt and final state; group commit)\n");
+    println!("| writers | requests/s | events/s | durable write p50 | p99 |");
+    println!("|---|---|---|---|---|");
+    for w in &writes {
+        println!(
+            "| {} | {:.0} | {:.0} | {} | {} |",
+            w.writers,
+            w.durable_per_s,
+            w.events_per_s,
+            us(w.durable_p50_us),
+            us(w.durable_p99_us)
+        );
     }
     if !searches.is_empty() {
         println!("\nledger search with {} requests in the ledger\n", args.ledger_rows);
@@ -1383,6 +1576,8 @@ async fn main() -> Result<()> {
         failover,
         dead_channel,
         commit_cost: commits,
+        idempotency: keyed,
+        ledger_writes: writes,
         ledger_rows: args.ledger_rows,
         ledger_search: searches,
         verdicts,
