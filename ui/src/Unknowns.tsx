@@ -4,7 +4,7 @@
 // reason that go on the audit log.
 import { useQuery, useQueryClient } from '@tanstack/react-query'
 import { useState } from 'react'
-import { reconcile, getUnknowns, type Connection } from './api'
+import { getRequest, getUnknowns, reconcile, type Connection } from './api'
 import type { RequestDetail } from './bindings/RequestDetail'
 import type { Reconciliation } from './bindings/Reconciliation'
 import { age, decision, failureClass, time } from './format'
@@ -24,7 +24,7 @@ export function UnknownsView({ conn, selected }: { conn: Connection; selected: s
   const items = list.data
   const now = Date.now()
   const oldest = items.length ? items[items.length - 1].request.received_at : null
-  const current = selected ? items.find((i) => i.request.id === selected) : undefined
+  const listed = selected ? items.find((i) => i.request.id === selected) : undefined
   return (
     <section>
       <h2>Unknown outcomes</h2>
@@ -61,14 +61,30 @@ export function UnknownsView({ conn, selected }: { conn: Connection; selected: s
           </table>
         </>
       )}
-      {selected && !current && (
-        <p className="muted" data-testid="unknown-gone">
-          Request {selected} is not in the inbox: it was reconciled, or it never was unknown. <a {...linkProps({ view: 'ledger', id: selected })}>See it in the ledger.</a>
-        </p>
-      )}
-      {current && <Evidence conn={conn} item={current} />}
+      {selected && <Selected conn={conn} id={selected} listed={listed} />}
     </section>
   )
+}
+
+/** The selected request: from the page when it is there, else read by its id (an inbox
+ * longer than a page, or a link from an alert). */
+function Selected({ conn, id, listed }: { conn: Connection; id: string; listed: RequestDetail | undefined }) {
+  const one = useQuery({
+    queryKey: ['request', conn.url, id],
+    queryFn: () => getRequest(conn, id),
+    enabled: !listed,
+  })
+  const item = listed ?? one.data
+  if (!item && one.isLoading) return <p className="muted">Loading {id}…</p>
+  if (!item || item.request.state !== 'unknown') {
+    return (
+      <p className="muted" data-testid="unknown-gone">
+        Request {id} is not waiting for reconciliation{item ? ` (it is ${item.request.state}${item.request.reconciled_by ? `, reconciled by ${item.request.reconciled_by}` : ''})` : ''}. <a {...linkProps({ view: 'ledger', id })}>See it in the ledger.</a>
+      </p>
+    )
+  }
+  // Keyed by request: a form never carries one request's verdict over to the next.
+  return <Evidence key={id} conn={conn} item={item} />
 }
 
 function Evidence({ conn, item }: { conn: Connection; item: RequestDetail }) {

@@ -86,7 +86,32 @@ async fn prune(config: Option<PathBuf>, ledger: Option<PathBuf>, older_than_days
     use spillway_ledger::LedgerBackend;
     let now = spillway_wire::UnixMs::from_system(std::time::SystemTime::now());
     let before = older_than_days.map(|d| spillway_wire::UnixMs(now.0 - i64::from(d) * 86_400_000));
-    let r = backend.prune(now, before, true).await?;
+    let keys_since = spillway_wire::UnixMs(now.0 - c.idempotency.window_ms as i64);
+    let r = backend.prune(now, before, keys_since, true).await?;
+    // On the record like a prune from the console, with who ran it.
+    let actor = std::env::var("USER")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| "cli".into());
+    backend
+        .record_transition(
+            None,
+            &spillway_ledger::AuditEntry {
+                id: 0,
+                at: now,
+                kind: "ledger".into(),
+                subject: "prune".into(),
+                actor,
+                action: "pruned".into(),
+                trigger: older_than_days.map(|d| format!("finished requests older than {d} day(s)")),
+                reason: "spillway ledger prune".into(),
+                figures: Some(format!(
+                    r#"[{{"name":"payloads","value":{}}},{{"name":"requests","value":{}}},{{"name":"attempts","value":{}}}]"#,
+                    r.payloads, r.requests, r.attempts
+                )),
+            },
+        )
+        .await?;
     println!(
         "{}: removed {} expired response copies, {} finished requests and {} attempts; {} -> {}",
         path.display(),

@@ -585,7 +585,8 @@ async fn prune(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Resp
     let before = a
         .older_than_days
         .map(|d| UnixMs(now.0.saturating_sub(i64::from(d) * 86_400_000)));
-    let report: PruneReport = match st.ledger.prune(now, before, false).await {
+    let keys_since = UnixMs(now.0.saturating_sub(st.config.idempotency.window_ms as i64));
+    let report: PruneReport = match st.ledger.prune(now, before, keys_since, false).await {
         Ok(r) => r,
         Err(e) => return admin_error(StatusCode::SERVICE_UNAVAILABLE, format!("prune failed: {e}")),
     };

@@ -14,8 +14,9 @@ use crate::state::AppState;
 use http::HeaderMap;
 use spillway_ledger::{KeyedRequest, RequestRecord, RequestState};
 use spillway_wire::UnixMs;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
+use tokio::sync::oneshot;
 
 pub const HEADER: &str = "idempotency-key";
 /// Longest key accepted (Stripe's and the IETF draft's practice is well under this).
@@ -33,26 +34,76 @@ pub fn key_of(headers: &HeaderMap) -> Result<Option<String>, GatewayError> {
 
 type ClaimKey = (String, String);
 
+/// What a request is, for telling a repeat from another request under the same key.
+#[derive(Clone, PartialEq, Eq)]
+struct Fingerprint {
+    body_sha256: Option<String>,
+    model: Option<String>,
+    endpoint: String,
+}
+
+impl Fingerprint {
+    fn of(r: &RequestRecord) -> Fingerprint {
+        Fingerprint {
+            body_sha256: r.body_sha256.clone(),
+            model: r.requested_model.clone(),
+            endpoint: r.endpoint.clone(),
+        }
+    }
+}
+
 /// Where a claimed key's request is.
 enum Holder {
-    /// Running: a repeat is refused as in progress.
-    Running { request_id: String },
-    /// Closed, its final record queued but maybe not committed: a repeat waits for the
-    /// commit and then reads the ledger.
-    Closing,
+    /// Running: a repeat is refused as in progress (another body under the key, 422).
+    Running { request_id: String, print: Fingerprint },
+    /// Closed, its final record queued but maybe not committed yet: a repeat waits for
+    /// the commit and then reads the ledger.
+    Closing { request_id: String },
+}
+
+#[derive(Default)]
+struct Inner {
+    held: HashMap<ClaimKey, Holder>,
+    /// Keys closing, in the order their final records were queued, each with the
+    /// writer's word that they are committed. Commits come in queue order, so the front
+    /// is the first to let go.
+    closing: VecDeque<(ClaimKey, String, oneshot::Receiver<spillway_ledger::Result<()>>)>,
+}
+
+impl Inner {
+    /// Lets go of the keys whose final records are committed. No task per request: the
+    /// next key to come along does it, in order.
+    fn purge(&mut self) {
+        while let Some((_, _, rx)) = self.closing.front_mut() {
+            // Once committed, or the writer failed or stopped, the ledger answers (a record
+            // still in the spool reads as in progress there, never as new).
+            if let Err(oneshot::error::TryRecvError::Empty) = rx.try_recv() {
+                return;
+            }
+            let Some((key, id, _)) = self.closing.pop_front() else {
+                return;
+            };
+            if matches!(self.held.get(&key), Some(Holder::Closing { request_id }) if *request_id == id) {
+                self.held.remove(&key);
+            }
+        }
+    }
 }
 
 /// Keys whose requests are running or closing in this process.
 #[derive(Default)]
-pub struct Claims(Mutex<HashMap<ClaimKey, Holder>>);
+pub struct Claims(Mutex<Inner>);
 
 impl Claims {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<ClaimKey, Holder>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Keys held right now (running, or closing and not yet seen committed).
     pub fn len(&self) -> usize {
-        self.lock().len()
+        let mut c = self.lock();
+        c.purge();
+        c.held.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -64,49 +115,34 @@ impl Claims {
 /// (the request never reached its final record), the key is simply let go.
 pub struct Claim {
     st: Arc<AppState>,
-    key: Option<ClaimKey>,
+    key: Option<(ClaimKey, String)>,
 }
 
 impl Claim {
     /// The request's final record is queued: the key goes back once it is committed, so
-    /// a repeat never finds neither the claim nor the record.
+    /// a repeat never finds neither the claim nor the record. The commit is not hurried
+    /// (the record rides with the next durable write); a repeat that comes meanwhile
+    /// hurries it itself.
     pub fn release(mut self) {
-        let Some(key) = self.key.take() else { return };
-        if let Some(h) = self.st.idempotency.lock().get_mut(&key) {
-            *h = Holder::Closing;
+        let Some((key, id)) = self.key.take() else { return };
+        let committed = self.st.ledger.when_committed();
+        let mut c = self.st.idempotency.lock();
+        if let Some(h) = c.held.get_mut(&key) {
+            *h = Holder::Closing { request_id: id.clone() };
         }
-        let st = self.st.clone();
-        let release = async move {
-            if let Err(e) = st.ledger.flush().await {
-                tracing::warn!(error = %e, "ledger flush failed while releasing an idempotency key");
-            }
-            // Unless a repeat took the key over meanwhile (it waited for the same commit).
-            let mut claims = st.idempotency.lock();
-            if matches!(claims.get(&key), Some(Holder::Closing)) {
-                claims.remove(&key);
-            }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                rt.spawn(release);
-            }
-            Err(_) => {
-                // No runtime left (the process is ending): nobody can repeat the key here.
-                self.st_remove_now();
-            }
-        }
-    }
-
-    fn st_remove_now(&mut self) {
-        if let Some(k) = self.key.take() {
-            self.st.idempotency.lock().remove(&k);
-        }
+        c.closing.push_back((key, id, committed));
+        c.purge();
     }
 }
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        self.st_remove_now();
+        if let Some((k, id)) = self.key.take() {
+            let mut c = self.st.idempotency.lock();
+            if matches!(c.held.get(&k), Some(Holder::Running { request_id, .. }) if *request_id == id) {
+                c.held.remove(&k);
+            }
+        }
     }
 }
 
@@ -126,25 +162,33 @@ pub async fn check(st: &Arc<AppState>, key: String, rec: &RequestRecord) -> Verd
         return Verdict::Refuse(GatewayError::Internal);
     };
     let ck: ClaimKey = (key_name, key);
+    let print = Fingerprint::of(rec);
     // A key still closing in this process is waited for (one commit); after that its
     // final record is in the ledger, and this request takes the key over.
     let mut flushed = false;
     loop {
         {
-            let mut claims = st.idempotency.lock();
-            match claims.get(&ck) {
-                Some(Holder::Running { request_id }) => {
-                    return Verdict::Refuse(GatewayError::IdempotencyInProgress {
+            let mut c = st.idempotency.lock();
+            c.purge();
+            match c.held.get(&ck) {
+                Some(Holder::Running { request_id, print: p }) if *p != print => {
+                    return Verdict::Refuse(GatewayError::IdempotencyKeyReused {
                         original: request_id.clone(),
-                        state: RequestState::CallingApi.as_str(),
                     });
                 }
-                Some(Holder::Closing) if !flushed => {}
+                Some(Holder::Running { request_id, .. }) => {
+                    return Verdict::Refuse(GatewayError::IdempotencyInProgress {
+                        original: request_id.clone(),
+                        state: "running",
+                    });
+                }
+                Some(Holder::Closing { .. }) if !flushed => {}
                 _ => {
-                    claims.insert(
+                    c.held.insert(
                         ck.clone(),
                         Holder::Running {
                             request_id: rec.id.clone(),
+                            print: print.clone(),
                         },
                     );
                     break;
@@ -159,7 +203,7 @@ pub async fn check(st: &Arc<AppState>, key: String, rec: &RequestRecord) -> Verd
     }
     let claim = Claim {
         st: st.clone(),
-        key: Some(ck.clone()),
+        key: Some((ck.clone(), rec.id.clone())),
     };
     let now = clock::now();
     let since = UnixMs(now.0.saturating_sub(st.config.idempotency.window_ms as i64));
@@ -172,7 +216,12 @@ pub async fn check(st: &Arc<AppState>, key: String, rec: &RequestRecord) -> Verd
     };
     let Some(found) = found else { return Verdict::Run(claim) };
     let o = &found.request;
-    if o.body_sha256 != rec.body_sha256 || o.requested_model != rec.requested_model || o.endpoint != rec.endpoint {
+    // A request refused before it reached a provider (an unknown model, an open breaker)
+    // binds nothing: the client may fix it and send again under the same key.
+    if o.state == RequestState::Failed && o.attempts == 0 {
+        return Verdict::Run(claim);
+    }
+    if Fingerprint::of(o) != print {
         return Verdict::Refuse(GatewayError::IdempotencyKeyReused { original: o.id.clone() });
     }
     match o.state {
@@ -244,6 +293,15 @@ fn status_json(rec: &RequestRecord) -> axum::response::Response {
 
 /// An error of the gateway's own client API, in the OpenAI error shape.
 fn api_error(kind: spillway_wire::ErrorKind, message: &str, param: Option<&str>) -> axum::response::Response {
+    api_error_retry(kind, message, param, kind.retryable())
+}
+
+fn api_error_retry(
+    kind: spillway_wire::ErrorKind,
+    message: &str,
+    param: Option<&str>,
+    retry: bool,
+) -> axum::response::Response {
     let mut r = axum::response::Response::new(axum::body::Body::from(spillway_wire::error_body(
         spillway_wire::Format::OpenAi,
         kind,
@@ -255,7 +313,7 @@ fn api_error(kind: spillway_wire::ErrorKind, message: &str, param: Option<&str>)
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/json"),
     );
-    if !kind.retryable() {
+    if !retry {
         r.headers_mut()
             .insert("x-should-retry", http::HeaderValue::from_static("false"));
     }
@@ -278,15 +336,19 @@ async fn owned_request(
     if id.len() > 64 {
         return Err(not_found());
     }
-    // The request may have just ended, its record still queued: the client reads its own
-    // writes.
-    if let Err(e) = st.ledger.flush().await {
-        tracing::error!(error = %e, "ledger flush failed");
-        return Err(GatewayError::LedgerUnavailable.into_response(Format::OpenAi));
-    }
     let mut id = id.to_owned();
     for _ in 0..2 {
-        let rec = match st.ledger.get_request(&id).await {
+        let mut got = st.ledger.get_request(&id).await;
+        // The request may have just ended, its record still queued: the client reads its
+        // own writes (a commit is hurried only then, not for every status poll).
+        if matches!(&got, Ok(None)) || matches!(&got, Ok(Some(r)) if !r.state.is_final()) {
+            if let Err(e) = st.ledger.flush().await {
+                tracing::error!(error = %e, "ledger flush failed");
+                return Err(GatewayError::LedgerUnavailable.into_response(Format::OpenAi));
+            }
+            got = st.ledger.get_request(&id).await;
+        }
+        let rec = match got {
             Ok(Some(r)) if r.key_name.as_deref() == Some(key.key.name.as_str()) => r,
             Ok(_) => return Err(not_found()),
             Err(e) => {
@@ -353,7 +415,8 @@ pub async fn side_effect_endpoint(
     }
     match st.ledger.side_effect(&rec.id, &step, clock::now()).await {
         Ok(rec) => status_json(&rec),
-        Err(spillway_ledger::Error::Conflict(m)) => api_error(ErrorKind::Conflict, &m, Some("state")),
+        // Another try cannot change what is recorded.
+        Err(spillway_ledger::Error::Conflict(m)) => api_error_retry(ErrorKind::Conflict, &m, Some("state"), false),
         Err(spillway_ledger::Error::NotFound) => {
             api_error(ErrorKind::NotFound, "No request with that id for this API key.", None)
         }

@@ -226,14 +226,15 @@ fn ledger_upkeep(st: &Arc<AppState>) {
                 return;
             }
             let now = clock::now();
-            if round % PRUNE_EVERY_ROUNDS == PRUNE_EVERY_ROUNDS - 1 {
-                match st.ledger.prune(now, None, false).await {
+            let since = spillway_wire::UnixMs(now.0.saturating_sub(st.config.idempotency.window_ms as i64));
+            // At start-up too: a gateway restarted more often than hourly still prunes.
+            if round % PRUNE_EVERY_ROUNDS == 0 {
+                match st.ledger.prune(now, None, since, false).await {
                     Ok(r) if r.payloads > 0 => tracing::info!(pruned = r.payloads, "expired response copies pruned"),
                     Ok(_) => {}
                     Err(e) => tracing::warn!(error = %e, "pruning expired response copies failed"),
                 }
             }
-            let since = spillway_wire::UnixMs(now.0.saturating_sub(st.config.idempotency.window_ms as i64));
             match st.ledger.figures(since).await {
                 Ok(f) => {
                     if f.unknown > unknown {
@@ -255,7 +256,10 @@ fn ledger_upkeep(st: &Arc<AppState>) {
                     (unknown, duplicates) = (f.unknown, f.duplicates);
                     *st.ledger_figures.write().unwrap_or_else(|p| p.into_inner()) = Some(f);
                 }
-                Err(e) => tracing::debug!(error = %e, "ledger figures unavailable"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "ledger figures unavailable");
+                    *st.ledger_figures.write().unwrap_or_else(|p| p.into_inner()) = None;
+                }
             }
             drop(st);
             tokio::time::sleep(FIGURES_EVERY).await;

@@ -342,7 +342,8 @@ impl Life {
                 self.rec.http_status = Some(status.as_u16());
                 self.rec.next_ready_at = None;
                 if self.idem.is_some() || self.prompt.is_some() {
-                    let copy = self.idem.is_some().then(|| StoredResponse {
+                    let fits = body.len() as u64 <= self.st.config.idempotency.max_stored_response_bytes;
+                    let copy = (self.idem.is_some() && fits).then(|| StoredResponse {
                         status: status.as_u16(),
                         content_type: content_type.to_str().unwrap_or("application/json").to_owned(),
                         body: body.to_vec(),

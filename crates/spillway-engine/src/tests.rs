@@ -143,6 +143,7 @@ impl LedgerBackend for Memory {
         &self,
         _: UnixMs,
         _: Option<UnixMs>,
+        _: UnixMs,
         _: bool,
     ) -> spillway_ledger::Result<spillway_ledger::PruneReport> {
         Ok(Default::default())
@@ -1607,6 +1608,19 @@ async fn i2_a_repeated_key_gets_the_stored_answer_without_a_second_call() {
     assert!(bad.text().await.unwrap().contains("Idempotency-Key"));
     assert_eq!(caller.calls().len(), 2);
 
+    // A request refused before it reached a provider binds nothing: fixed, it runs.
+    let wrong = reqwest::Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth(KEY)
+        .header("idempotency-key", "fix-1")
+        .json(&serde_json::json!({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 404);
+    assert_eq!(keyed(&url, KEY, "fix-1", "hi").send().await.unwrap().status(), 200);
+    assert_eq!(caller.calls().len(), 3);
+
     // The ledger knows the replays for what they are.
     gw.state.ledger.flush().await.unwrap();
     let orig = gw.state.ledger.get_request(&first_id).await.unwrap().unwrap();
@@ -1626,6 +1640,11 @@ async fn i2_concurrent_repeats_make_exactly_one_upstream_call() {
     let sends: Vec<_> = (0..12)
         .map(|_| tokio::spawn(keyed(&url, KEY, "pay-7", "charge").send()))
         .collect();
+    // Another body while the first runs: a conflict, not a retryable 409.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let other = keyed(&url, KEY, "pay-7", "refund").send().await.unwrap();
+    assert_eq!(other.status(), 422);
+    assert_eq!(header(&other, "x-should-retry").as_deref(), Some("false"));
     let mut statuses = Vec::new();
     let mut bodies = std::collections::HashSet::new();
     for s in sends {

@@ -104,9 +104,17 @@ pub trait LedgerBackend: Send + Sync + 'static {
     /// and the ledger's size.
     async fn figures(&self, since: UnixMs) -> Result<LedgerFigures>;
     /// Removes payloads expired at `now` and, when `finished_before` is given, finished
-    /// requests received before it (never unknown or in-flight ones); `vacuum` gives the
-    /// space back to the file system (slow; for a ledger no gateway is using).
-    async fn prune(&self, now: UnixMs, finished_before: Option<UnixMs>, vacuum: bool) -> Result<PruneReport>;
+    /// requests received before it: never unknown or unfinished ones, nor those whose
+    /// `Idempotency-Key` is still in its window (received at or after `keys_since`).
+    /// `vacuum` gives the space back to the file system (slow; for a ledger no gateway is
+    /// using).
+    async fn prune(
+        &self,
+        now: UnixMs,
+        finished_before: Option<UnixMs>,
+        keys_since: UnixMs,
+        vacuum: bool,
+    ) -> Result<PruneReport>;
     /// Housekeeping the writer must not pay for on its commits (WAL checkpoints).
     /// Returns how many pages (WAL frames) it folded back into the database.
     async fn maintain(&self) -> Result<u64>;

@@ -88,10 +88,11 @@ static REQUEST_UPSERT: LazyLock<String> = LazyLock::new(|| {
         .filter(|c| !IMMUTABLE_REQUEST_COLUMNS.contains(c))
         .map(|c| format!("{c} = excluded.{c}"))
         .collect();
-    // The store itself refuses to move a request backwards: a finished row never changes
+    // The store itself refuses to move a request backwards: a finished row (or one whose
+    // side effect a client marked, which only its own statement changes) never changes
     // through the write path, and an earlier state never overwrites a later one.
     format!(
-        " ON CONFLICT(id) DO UPDATE SET {} WHERE {old} < 4 AND {new} >= {old}",
+        " ON CONFLICT(id) DO UPDATE SET {} WHERE {old} < 3 AND {new} >= {old}",
         sets.join(", "),
         old = rank_sql("requests.state"),
         new = rank_sql("excluded.state"),
@@ -198,6 +199,27 @@ impl SqliteBackend {
 }
 
 impl SqliteBackend {
+    /// Runs `sql` (a DELETE of at most a chunk, taking `?1`) until it deletes nothing, one
+    /// transaction per chunk. Returns the rows deleted.
+    async fn delete_in_chunks(&self, sql: &'static str, arg: i64) -> Result<u64> {
+        let mut total = 0;
+        loop {
+            let mut w = self.writer.lock().await;
+            if w.1 {
+                return Err(Error::Unavailable(
+                    "a failed transaction is still being rolled back".into(),
+                ));
+            }
+            let n = sqlx::query(sql).bind(arg).execute(&mut w.0).await?.rows_affected();
+            drop(w);
+            total += n;
+            if n == 0 {
+                return Ok(total);
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
     /// The database and its write-ahead log, in bytes.
     fn file_bytes(&self) -> u64 {
         let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
@@ -294,11 +316,15 @@ fn attempt_from_row(r: &SqliteRow) -> Result<AttemptRecord> {
     })
 }
 
-/// One row of a batch: a request's latest state or an attempt.
+/// One row of a batch: a request's latest state, an attempt, or a request's body copies.
 enum BatchRow<'a> {
     Request(&'a RequestRecord),
     Attempt(&'a AttemptRecord),
+    Payload(&'a Payload),
 }
+
+const PAYLOAD_COLUMNS: &str =
+    "request_id, expires_at, request_body, response_status, response_content_type, response_body";
 
 fn columns(list: &str) -> impl Iterator<Item = &str> {
     list.split(',').map(str::trim)
@@ -313,6 +339,7 @@ static BATCH_VIEW: LazyLock<String> = LazyLock::new(|| {
     let names: Vec<String> = std::iter::once("kind".to_owned())
         .chain(columns(REQUEST_COLUMNS).map(|c| format!("r_{c}")))
         .chain(columns(ATTEMPT_COLUMNS).map(|c| format!("a_{c}")))
+        .chain(columns(PAYLOAD_COLUMNS).map(|c| format!("p_{c}")))
         .collect();
     let nulls = vec!["NULL"; names.len()].join(", ");
     let new = |prefix: &str, list: &str| {
@@ -326,32 +353,52 @@ static BATCH_VIEW: LazyLock<String> = LazyLock::new(|| {
          CREATE TEMP TRIGGER ledger_batch_row INSTEAD OF INSERT ON ledger_batch BEGIN\n\
          INSERT INTO requests ({REQUEST_COLUMNS}) SELECT {r} WHERE NEW.kind = 'r'{upsert};\n\
          INSERT OR REPLACE INTO attempts ({ATTEMPT_COLUMNS}) SELECT {a} WHERE NEW.kind = 'a';\n\
+         INSERT OR REPLACE INTO payloads ({PAYLOAD_COLUMNS}) SELECT {p} WHERE NEW.kind = 'p';\n\
          END;",
         names = names.join(", "),
         r = new("r", REQUEST_COLUMNS),
         a = new("a", ATTEMPT_COLUMNS),
+        p = new("p", PAYLOAD_COLUMNS),
         upsert = &*REQUEST_UPSERT,
     )
 });
 
+fn nulls(b: &mut Separated<'_, Sqlite, &'static str>, n: usize) {
+    for _ in 0..n {
+        b.push("NULL");
+    }
+}
+
 /// `INSERT INTO ledger_batch VALUES ...` for `rows`.
 fn insert_batch(q: &mut QueryBuilder<Sqlite>, rows: &[BatchRow<'_>]) {
-    let (requests, attempts) = (columns(REQUEST_COLUMNS).count(), columns(ATTEMPT_COLUMNS).count());
+    let (requests, attempts, payloads) = (
+        columns(REQUEST_COLUMNS).count(),
+        columns(ATTEMPT_COLUMNS).count(),
+        columns(PAYLOAD_COLUMNS).count(),
+    );
     q.push("INSERT INTO ledger_batch ");
     q.push_values(rows, |mut b, row| match row {
         BatchRow::Request(r) => {
             b.push("'r'");
             bind_request(&mut b, r);
-            for _ in 0..attempts {
-                b.push("NULL");
-            }
+            nulls(&mut b, attempts + payloads);
         }
         BatchRow::Attempt(a) => {
             b.push("'a'");
-            for _ in 0..requests {
-                b.push("NULL");
-            }
+            nulls(&mut b, requests);
             bind_attempt(&mut b, a);
+            nulls(&mut b, payloads);
+        }
+        BatchRow::Payload(p) => {
+            b.push("'p'");
+            nulls(&mut b, requests + attempts);
+            let r = p.response.as_ref();
+            b.push_bind(p.request_id.clone())
+                .push_bind(p.expires_at.0)
+                .push_bind(p.request_body.clone())
+                .push_bind(r.map(|r| i64::from(r.status)))
+                .push_bind(r.map(|r| r.content_type.clone()))
+                .push_bind(r.map(|r| r.body.clone()));
         }
     });
 }
@@ -413,23 +460,6 @@ fn bind_attempt(b: &mut Separated<'_, Sqlite, &'static str>, a: &AttemptRecord) 
         .push_bind(i(a.delay_ms))
         .push_bind(a.ready_at.map(|t| t.0))
         .push_bind(a.visibility.map(Visibility::as_str));
-}
-
-/// `INSERT OR REPLACE INTO payloads ...` for `rows`.
-fn insert_payloads(q: &mut QueryBuilder<Sqlite>, rows: &[Payload]) {
-    q.push(
-        "INSERT OR REPLACE INTO payloads (request_id, expires_at, request_body, response_status, \
-         response_content_type, response_body) ",
-    );
-    q.push_values(rows, |mut b, p| {
-        let r = p.response.as_ref();
-        b.push_bind(p.request_id.clone())
-            .push_bind(p.expires_at.0)
-            .push_bind(p.request_body.clone())
-            .push_bind(r.map(|r| i64::from(r.status)))
-            .push_bind(r.map(|r| r.content_type.clone()))
-            .push_bind(r.map(|r| r.body.clone()));
-    });
 }
 
 /// The smallest UUIDv7 string of millisecond `ms`: ids compare as strings in time order.
@@ -497,9 +527,9 @@ impl LedgerBackend for SqliteBackend {
             .iter()
             .map(BatchRow::Request)
             .chain(attempts.iter().map(BatchRow::Attempt))
+            .chain(payloads.iter().map(BatchRow::Payload))
             .collect();
-        // Payloads (replay copies, rare) ride in the same transaction as their rows.
-        let several = rows.len() > ROWS_PER_STATEMENT || !payloads.is_empty();
+        let several = rows.len() > ROWS_PER_STATEMENT;
         let mut q: QueryBuilder<Sqlite> = QueryBuilder::new("");
         if several {
             q.push("BEGIN IMMEDIATE; ");
@@ -508,16 +538,12 @@ impl LedgerBackend for SqliteBackend {
             insert_batch(&mut q, chunk);
             q.push("; ");
         }
-        for chunk in payloads.chunks(ROWS_PER_STATEMENT) {
-            insert_payloads(&mut q, chunk);
-            q.push("; ");
-        }
         if several {
             q.push("COMMIT;");
         }
         // Small batches repeat (a few rows each) and keep their prepared statements; a
         // large one is a one-off that would only push them out of the cache.
-        let keep = rows.len() <= CACHED_ROWS && payloads.is_empty();
+        let keep = rows.len() <= CACHED_ROWS;
         let result = q.build().persistent(keep).execute(&mut *conn).await;
         if let Err(e) = result {
             if several {
@@ -699,7 +725,8 @@ impl LedgerBackend for SqliteBackend {
         // key whose request failed may run again, as a newer row).
         let row = sqlx::query(AssertSqlSafe(format!(
             "SELECT {REQUEST_READ_COLUMNS} FROM requests WHERE key_name = ? AND idempotency_key = ? \
-             AND idempotency_key IS NOT NULL AND received_at >= ? ORDER BY id DESC LIMIT 1"
+             AND idempotency_key IS NOT NULL \
+             AND (received_at >= ? OR state IN ('received', 'calling_api', 'unknown')) ORDER BY id DESC LIMIT 1"
         )))
         .bind(key_name)
         .bind(idempotency_key)
@@ -868,10 +895,11 @@ impl LedgerBackend for SqliteBackend {
         let duplicates_by_route = counts(
             sqlx::query(
                 "SELECT route, COUNT(*) FROM (SELECT MAX(route) AS route FROM requests \
-                 WHERE idempotency_key IS NOT NULL AND received_at >= ? \
+                 WHERE idempotency_key IS NOT NULL AND id >= ? AND received_at >= ? \
                  AND state IN ('api_completed', 'side_effect_pending', 'done') \
                  GROUP BY key_name, idempotency_key HAVING COUNT(*) > 1) GROUP BY route ORDER BY 2 DESC",
             )
+            .bind(uuid_floor(since))
             .bind(since.0)
             .fetch_all(&self.readers)
             .await?,
@@ -893,55 +921,68 @@ impl LedgerBackend for SqliteBackend {
         })
     }
 
-    async fn prune(&self, now: UnixMs, finished_before: Option<UnixMs>, vacuum: bool) -> Result<PruneReport> {
-        let bytes_before = self.file_bytes();
+    async fn prune(
+        &self,
+        now: UnixMs,
+        finished_before: Option<UnixMs>,
+        keys_since: UnixMs,
+        vacuum: bool,
+    ) -> Result<PruneReport> {
         let mut report = PruneReport {
-            bytes_before,
+            bytes_before: self.file_bytes(),
             ..PruneReport::default()
         };
-        {
-            let mut writer = self.writer.lock().await;
-            if writer.1 {
-                return Err(Error::Unavailable(
-                    "a failed transaction is still being rolled back".into(),
-                ));
-            }
-            let mut tx = writer.0.begin().await?;
-            report.payloads = sqlx::query("DELETE FROM payloads WHERE expires_at <= ?")
-                .bind(now.0)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            if let Some(before) = finished_before {
-                // The key range of ids before the cut-off (UUIDv7 ids start with their time);
-                // unknown and in-flight requests stay whatever their age.
-                let floor = uuid_floor(before);
-                report.attempts = sqlx::query(
-                    "DELETE FROM attempts WHERE request_id IN (SELECT id FROM requests WHERE id < ? \
-                     AND state IN ('done', 'failed'))",
-                )
-                .bind(&floor)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-                report.requests = sqlx::query("DELETE FROM requests WHERE id < ? AND state IN ('done', 'failed')")
-                    .bind(&floor)
+        // In chunks, the writer's lock let go between them: a prune never holds the
+        // request path's commits for longer than one chunk.
+        report.payloads = self
+            .delete_in_chunks(
+                "DELETE FROM payloads WHERE rowid IN (SELECT rowid FROM payloads WHERE expires_at <= ?1 LIMIT 1000)",
+                now.0,
+            )
+            .await?;
+        if let Some(before) = finished_before {
+            // The key range of ids before the cut-off (UUIDv7 ids start with their time).
+            // Unknown and unfinished requests stay whatever their age, and so does every
+            // request whose `Idempotency-Key` is still inside its window: pruning it would
+            // let a repeat run again.
+            let floor = uuid_floor(before);
+            let pick = "SELECT id FROM requests WHERE id < ?1 AND state IN ('done', 'failed') \
+                        AND (idempotency_key IS NULL OR received_at < ?2) ORDER BY id LIMIT 1000";
+            let mut writer_rows = (0u64, 0u64);
+            loop {
+                let mut w = self.writer.lock().await;
+                if w.1 {
+                    return Err(Error::Unavailable(
+                        "a failed transaction is still being rolled back".into(),
+                    ));
+                }
+                let mut tx = w.0.begin().await?;
+                let run = |sql: String| sqlx::query(AssertSqlSafe(sql)).bind(floor.clone()).bind(keys_since.0);
+                writer_rows.1 += run(format!("DELETE FROM attempts WHERE request_id IN ({pick})"))
                     .execute(&mut *tx)
                     .await?
                     .rows_affected();
-                sqlx::query(
-                    "DELETE FROM payloads WHERE request_id NOT IN (SELECT id FROM requests) AND request_id < ?",
-                )
-                .bind(&floor)
-                .execute(&mut *tx)
-                .await?;
+                run(format!("DELETE FROM payloads WHERE request_id IN ({pick})"))
+                    .execute(&mut *tx)
+                    .await?;
+                let n = run(format!("DELETE FROM requests WHERE id IN ({pick})"))
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                tx.commit().await?;
+                drop(w);
+                writer_rows.0 += n;
+                if n == 0 {
+                    break;
+                }
+                tokio::task::yield_now().await;
             }
-            tx.commit().await?;
-            if vacuum {
-                sqlx::query("VACUUM").execute(&mut writer.0).await?;
-            }
+            (report.requests, report.attempts) = writer_rows;
         }
         if vacuum {
+            let mut w = self.writer.lock().await;
+            sqlx::query("VACUUM").execute(&mut w.0).await?;
+            drop(w);
             let mut conn = self.maintenance.lock().await;
             sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
                 .fetch_all(&mut *conn)

@@ -45,6 +45,8 @@ enum Op {
     Attempt(Box<AttemptRecord>),
     Payload(Box<Payload>),
     Flush(oneshot::Sender<Result<()>>),
+    /// Hears when everything queued before it is committed, without hurrying the commit.
+    Notify(oneshot::Sender<Result<()>>),
 }
 
 impl Op {
@@ -221,6 +223,8 @@ struct Pending {
     attempts: Vec<AttemptRecord>,
     payloads: Vec<Payload>,
     acks: Vec<oneshot::Sender<Result<()>>>,
+    /// Told at the next commit, whenever it comes.
+    lazy: Vec<oneshot::Sender<Result<()>>>,
 }
 
 impl Pending {
@@ -229,7 +233,7 @@ impl Pending {
     }
 
     fn is_empty(&self) -> bool {
-        self.rows() == 0 && self.acks.is_empty()
+        self.rows() == 0 && self.acks.is_empty() && self.lazy.is_empty()
     }
 
     fn add(&mut self, op: Op) {
@@ -258,11 +262,12 @@ impl Pending {
             }
             Op::Payload(p) => self.payloads.push(*p),
             Op::Flush(a) => self.acks.push(a),
+            Op::Notify(a) => self.lazy.push(a),
         }
     }
 
     fn answer(&mut self, result: std::result::Result<(), &str>) {
-        for a in self.acks.drain(..) {
+        for a in self.acks.drain(..).chain(self.lazy.drain(..)) {
             let _ = a.send(result.map_err(|e| Error::Unavailable(e.to_owned())));
         }
     }
@@ -402,6 +407,16 @@ impl Ledger {
         }
     }
 
+    /// Hears when everything queued so far is committed, without making the writer commit
+    /// sooner (a flush would): the answer comes with the next durable write or at the
+    /// linger deadline. Never blocks; a stopped writer answers at once.
+    pub fn when_committed(&self) -> oneshot::Receiver<Result<()>> {
+        let (tx, rx) = oneshot::channel();
+        // Refused by a stopped writer: the sender is dropped, and the receiver hears that.
+        let _ = self.queue.push_now(Op::Notify(tx));
+        rx
+    }
+
     /// Waits until everything queued so far is committed.
     pub async fn flush(&self) -> Result<()> {
         let (ack, done) = oneshot::channel();
@@ -510,9 +525,15 @@ impl Ledger {
         self.backend.figures(since).await
     }
 
-    pub async fn prune(&self, now: UnixMs, finished_before: Option<UnixMs>, vacuum: bool) -> Result<PruneReport> {
+    pub async fn prune(
+        &self,
+        now: UnixMs,
+        finished_before: Option<UnixMs>,
+        keys_since: UnixMs,
+        vacuum: bool,
+    ) -> Result<PruneReport> {
         self.flush().await?;
-        self.backend.prune(now, finished_before, vacuum).await
+        self.backend.prune(now, finished_before, keys_since, vacuum).await
     }
 
     pub async fn control_states(&self) -> Result<Vec<crate::ControlState>> {
@@ -854,8 +875,17 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
+        // An unknown outcome binds its key past the window: it waits for an owner (L3).
+        let u = id_at(900_000, 4);
+        ledger
+            .put_request(keyed_rec(&u, RequestState::Unknown, "k-3", 900_000))
+            .await
+            .unwrap();
+        ledger.flush().await.unwrap();
+        let found = ledger.keyed("app", "k-3", UnixMs(5_000_000), UnixMs(0)).await.unwrap();
+        assert_eq!(found.map(|f| f.request.id), Some(u));
         // Pruning removes what expired.
-        let report = ledger.prune(UnixMs(2_000_000), None, false).await.unwrap();
+        let report = ledger.prune(UnixMs(2_000_000), None, UnixMs(0), false).await.unwrap();
         assert_eq!((report.payloads, report.requests), (1, 0));
         ledger.close(Duration::from_secs(1)).await.unwrap();
     }
@@ -971,6 +1001,16 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(r.side_effect_at, Some(UnixMs(7_002)));
+        // A late write from the request path cannot take the pending step back.
+        ledger
+            .put_request(keyed_rec(&id, RequestState::Done, "k", 7_000))
+            .await
+            .unwrap();
+        ledger.flush().await.unwrap();
+        assert_eq!(
+            ledger.get_request(&id).await.unwrap().unwrap().state,
+            RequestState::SideEffectPending
+        );
         let done = SideEffect::Done {
             result_id: "email-9".into(),
         };
@@ -1066,9 +1106,18 @@ mod tests {
         assert_eq!(fig.duplicates, 1);
         assert_eq!(fig.duplicates_by_route[0].route, "openai/gpt-4o-mini");
         assert_eq!(ledger.figures(UnixMs(20_000)).await.unwrap().duplicates, 0);
+        // A key still inside its window keeps its requests (else a repeat would run again).
+        let report = ledger
+            .prune(UnixMs(0), Some(UnixMs(20_000)), UnixMs(10_000), false)
+            .await
+            .unwrap();
+        assert_eq!(report.requests, 0);
         // Finished requests before the cut-off go; the unknown one stays for its owner.
-        let report = ledger.prune(UnixMs(0), Some(UnixMs(20_000)), true).await.unwrap();
-        assert_eq!(report.requests, 4);
+        let report = ledger
+            .prune(UnixMs(0), Some(UnixMs(20_000)), UnixMs(10_001), true)
+            .await
+            .unwrap();
+        assert_eq!((report.requests, report.attempts), (4, 0));
         assert_eq!(ledger.unknowns(10).await.unwrap().len(), 1);
         assert!(report.bytes_after > 0);
         ledger.close(Duration::from_secs(1)).await.unwrap();
@@ -1166,8 +1215,8 @@ mod tests {
         async fn figures(&self, since: UnixMs) -> Result<LedgerFigures> {
             self.inner.figures(since).await
         }
-        async fn prune(&self, now: UnixMs, before: Option<UnixMs>, vacuum: bool) -> Result<PruneReport> {
-            self.inner.prune(now, before, vacuum).await
+        async fn prune(&self, now: UnixMs, before: Option<UnixMs>, keys: UnixMs, vacuum: bool) -> Result<PruneReport> {
+            self.inner.prune(now, before, keys, vacuum).await
         }
         async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>> {
             self.inner.get_request(id).await
