@@ -250,3 +250,26 @@ def test_ledger_prune_refuses_a_running_gateways_ledger_and_prunes_a_stopped_one
     with sqlite3.connect(str(gw.ledger)) as con:
         assert con.execute("SELECT COUNT(*) FROM payloads").fetchone()[0] == 0
         assert con.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 2, "today's requests stay"
+
+
+def test_a_stream_its_client_left_is_read_to_the_end_and_replayed_whole(gateway):
+    # spec: I2, H2
+    ch = gateway.channel("openai")
+    gateway.sim.set(ch, tokens_per_second=40, output_tokens=24)  # about 0.6 s of stream
+    try:
+        before = gateway.calls("openai")
+        headers = {**auth("openai", gateway.key), "idempotency-key": "left-1"}
+        with httpx.stream("POST", gateway.url + path("openai"), headers=headers, json=body_for("openai", True),
+                          timeout=10) as r:
+            assert r.status_code == 200
+            first = next(r.iter_raw())
+            rid = r.headers["x-request-id"]
+        # The client left after its first bytes. Its repeat waits while the rest is read,
+        # then gets the whole stream, and the provider was called once.
+        assert wait_for(lambda: send(gateway, "openai", "left-1", True).status_code == 200, timeout=10)
+        full = send(gateway, "openai", "left-1", True)
+        assert full.content.startswith(first) and b"data: [DONE]" in full.content
+        assert gateway.calls("openai") == before + 1
+        assert gateway.request_row(rid)["state"] == "done"
+    finally:
+        gateway.sim.set(ch)

@@ -151,6 +151,11 @@ impl Life {
         self.capture = Some(Vec::new());
     }
 
+    /// Whether the request runs under an `Idempotency-Key`.
+    pub fn is_idempotent(&self) -> bool {
+        self.idem.is_some()
+    }
+
     /// I6: the config keeps prompts: the body goes into the ledger with the final record.
     pub fn keep_prompt(&mut self, body: Bytes) {
         self.prompt = Some(body);

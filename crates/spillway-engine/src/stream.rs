@@ -398,12 +398,59 @@ impl Stream for StreamBody {
 impl Drop for StreamBody {
     fn drop(&mut self) {
         if let Some(a) = self.shared.take() {
-            let end = if a.life.st().shutdown.cancel.is_cancelled() {
+            let shutting = a.life.st().shutdown.cancel.is_cancelled();
+            // I2: a client that leaves an `Idempotency-Key` stream will repeat the key to
+            // get its answer: the rest is read and kept, so the repeat gets it whole and
+            // the provider is not paid twice.
+            if !shutting
+                && a.life.is_idempotent()
+                && let Ok(rt) = tokio::runtime::Handle::try_current()
+            {
+                rt.spawn(drain(a, self.idle_timeout));
+                return;
+            }
+            a.finish(if shutting {
                 StreamEnd::Interrupted
             } else {
                 StreamEnd::ClientGone
-            };
-            a.finish(end);
+            });
+        }
+    }
+}
+
+/// Reads an idempotent stream its client left to its end (see `StreamBody`'s drop), with
+/// the same idle and shutdown limits as a stream someone reads.
+async fn drain(mut a: Active, idle: Duration) {
+    let cancel = a.life.st().shutdown.cancel.clone();
+    while let Some(chunk) = a.primed.prefix.pop_front() {
+        a.life.captured(&chunk);
+    }
+    if a.primed.inner_done {
+        return a.finish(StreamEnd::Complete);
+    }
+    loop {
+        let next = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return a.finish(StreamEnd::Interrupted),
+            next = tokio::time::timeout(idle, a.primed.inner.next()) => next,
+        };
+        match next {
+            Err(_) => {
+                let ms = idle.as_millis();
+                return a.finish(StreamEnd::Broken(
+                    ErrorClass::Timeout,
+                    format!("upstream sent nothing for {ms} ms"),
+                ));
+            }
+            Ok(None) => return a.finish(StreamEnd::Complete),
+            Ok(Some(Err(e))) => {
+                let msg = spillway_ledger::truncate(format!("upstream stream broke off: {e}"), 512);
+                return a.finish(StreamEnd::Broken(ErrorClass::StreamInterrupted, msg));
+            }
+            Ok(Some(Ok(chunk))) => {
+                a.primed.watch.observe(&chunk);
+                a.life.captured(&chunk);
+            }
         }
     }
 }
