@@ -198,6 +198,15 @@ def test_kill_9_with_hundreds_in_flight_leaves_them_unknown_and_nothing_runs_twi
         assert {(a["actor"], a["action"]) for a in audit} == {
             ("ops-ana", "unknown->confirmed_not_executed"), ("ops-ana", "unknown->confirmed_done")}
         assert gw2.admin("GET", "/admin/v1/ledger")["unknown"] == n - 2
+        # The rest at once, as an owner would after an outage the provider's logs explain,
+        # with a stale id in the selection refused by name.
+        rest = [i["request"]["id"] for i in inbox if i["request"]["id"] not in (first["job-0"], first["job-1"])]
+        bulk = gw2.admin("POST", "/admin/v1/unknowns/reconcile",
+                         {"ids": rest + [first["job-1"]], "actor": "ops-ana", "reason": "provider logs show none"})
+        assert bulk["reconciled"] == n - 2
+        assert [r["id"] for r in bulk["refused"]] == [first["job-1"]] and "not unknown" in bulk["refused"][0]["error"]
+        assert gw2.admin("GET", "/admin/v1/unknowns") == []
+        assert len(gw2.admin("GET", "/admin/v1/audit?kind=request&limit=1000")) == n
     finally:
         stop(gw2.proc)
     con = sqlite3.connect(str(gw.ledger), timeout=5)

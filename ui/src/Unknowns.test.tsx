@@ -31,9 +31,11 @@ const items: RequestDetail[] = [{
 }]
 
 const reconcile = vi.fn()
+const reconcileBulk = vi.fn()
 vi.mock('./api', () => ({
   getUnknowns: () => Promise.resolve(items),
   reconcile: (...a: unknown[]) => reconcile(...a),
+  reconcileBulk: (...a: unknown[]) => reconcileBulk(...a),
 }))
 
 function show(selected: string | null) {
@@ -47,6 +49,7 @@ function show(selected: string | null) {
 afterEach(() => {
   cleanup()
   reconcile.mockReset()
+  reconcileBulk.mockReset()
 })
 
 describe('UnknownsView', () => {
@@ -81,6 +84,24 @@ describe('UnknownsView', () => {
     expect(reconcile.mock.calls[0][1]).toBe(request.id)
     expect(reconcile.mock.calls[0][2]).toEqual({ outcome: 'confirmed_done', result_id: 'chatcmpl-9', actor: 'ana', reason: 'in the provider log' })
     expect((await screen.findByRole('status')).textContent).toMatch(/now done.*audit log/)
+  })
+
+  it('confirms a checked selection as not executed at once, and says what it left', async () => {
+    // spec: I4
+    reconcileBulk.mockResolvedValue({ reconciled: 1, refused: [] })
+    show(null)
+    await screen.findByTestId(`unknown-${request.id}`)
+    expect(screen.queryByTestId('bulk-form')).toBeNull()
+    fireEvent.click(screen.getByLabelText(`Select ${request.id}`))
+    const submit = screen.getByTestId('bulk-submit') as HTMLButtonElement
+    expect(submit.textContent).toBe('Confirm 1 not executed')
+    fireEvent.change(screen.getByLabelText('Your name'), { target: { value: 'ana' } })
+    expect(submit.disabled).toBe(true)
+    fireEvent.change(screen.getByTestId('bulk-reason'), { target: { value: 'provider outage, nothing billed' } })
+    fireEvent.click(submit)
+    await waitFor(() => expect(reconcileBulk).toHaveBeenCalledTimes(1))
+    expect(reconcileBulk.mock.calls[0][1]).toEqual({ ids: [request.id], actor: 'ana', reason: 'provider outage, nothing billed' })
+    expect((await screen.findByTestId('bulk-result')).textContent).toMatch(/1 confirmed not executed/)
   })
 
   it('says what a refused reconciliation was refused for', async () => {

@@ -4,7 +4,7 @@
 // reason that go on the audit log.
 import { useQuery, useQueryClient } from '@tanstack/react-query'
 import { useState } from 'react'
-import { getRequest, getUnknowns, reconcile, type Connection } from './api'
+import { getRequest, getUnknowns, reconcile, reconcileBulk, type Connection } from './api'
 import type { RequestDetail } from './bindings/RequestDetail'
 import type { Reconciliation } from './bindings/Reconciliation'
 import { age, decision, failureClass, time } from './format'
@@ -14,6 +14,8 @@ import { linkProps, navigate } from './router'
 const PAGE = 100
 
 export function UnknownsView({ conn, selected }: { conn: Connection; selected: string | null }) {
+  const [checked, setChecked] = useState<Set<string>>(new Set())
+  const [bulkMsg, setBulkMsg] = useState<{ ok: boolean; text: string } | null>(null)
   const list = useQuery({
     queryKey: ['unknowns', conn.url],
     queryFn: () => getUnknowns(conn, PAGE),
@@ -25,6 +27,15 @@ export function UnknownsView({ conn, selected }: { conn: Connection; selected: s
   const now = Date.now()
   const oldest = items.length ? items[items.length - 1].request.received_at : null
   const listed = selected ? items.find((i) => i.request.id === selected) : undefined
+  // Only what is still listed stays checked.
+  const picked = items.map((i) => i.request.id).filter((id) => checked.has(id))
+  const toggle = (id: string) => {
+    const next = new Set(checked)
+    if (next.has(id)) next.delete(id)
+    else next.add(id)
+    setChecked(next)
+  }
+  const all = picked.length === items.length && items.length > 0
   return (
     <section>
       <h2>Unknown outcomes</h2>
@@ -42,12 +53,19 @@ export function UnknownsView({ conn, selected }: { conn: Connection; selected: s
           </p>
           <table className="grid selectable" data-testid="unknowns">
             <thead>
-              <tr><th>Received</th><th>Route</th><th>Key · owner</th><th>Idempotency-Key</th><th>Channel</th><th className="num">Attempts</th><th>Waiting for</th></tr>
+              <tr>
+                <th><input type="checkbox" aria-label="Select every request on this page" checked={all}
+                  onChange={() => setChecked(all ? new Set() : new Set(items.map((i) => i.request.id)))} data-testid="unknowns-all" /></th>
+                <th>Received</th><th>Route</th><th>Key · owner</th><th>Idempotency-Key</th><th>Channel</th><th className="num">Attempts</th><th>Waiting for</th>
+              </tr>
             </thead>
             <tbody>
               {items.map(({ request: r }) => (
                 <tr key={r.id} aria-selected={r.id === selected} data-testid={`unknown-${r.id}`}
                   onClick={() => navigate({ view: 'unknowns', id: r.id })}>
+                  <td onClick={(e) => e.stopPropagation()}>
+                    <input type="checkbox" aria-label={`Select ${r.id}`} checked={checked.has(r.id)} onChange={() => toggle(r.id)} />
+                  </td>
                   <td><a {...linkProps({ view: 'unknowns', id: r.id })}>{time(r.received_at)}</a></td>
                   <td>{r.route ?? '—'}</td>
                   <td>{r.key_name ?? '—'} · {r.owner ?? '—'}</td>
@@ -59,8 +77,10 @@ export function UnknownsView({ conn, selected }: { conn: Connection; selected: s
               ))}
             </tbody>
           </table>
+          {picked.length > 0 && <BulkForm conn={conn} ids={picked} onDone={(m) => { setChecked(new Set()); setBulkMsg(m) }} />}
         </>
       )}
+      {bulkMsg && <p role={bulkMsg.ok ? 'status' : 'alert'} className={bulkMsg.ok ? 'ok-text small' : 'error small'} data-testid="bulk-result">{bulkMsg.text}</p>}
       {selected && <Selected conn={conn} id={selected} listed={listed} />}
     </section>
   )
@@ -187,6 +207,45 @@ function ReconcileForm({ conn, item }: { conn: Connection; item: RequestDetail }
       <label>Your name <input value={actor} onChange={(e) => setActor(e.target.value)} required maxLength={64} data-testid="reconcile-actor" /></label>
       <label>Reason <input value={reason} onChange={(e) => setReason(e.target.value)} required maxLength={500} placeholder="e.g. found in the provider's usage log" data-testid="reconcile-reason" /></label>
       <button type="submit" disabled={busy || !ready} data-testid="reconcile-submit">Reconcile</button>
+      {msg && <p role={msg.ok ? 'status' : 'alert'} className={msg.ok ? 'ok-text small' : 'error small'}>{msg.text}</p>}
+    </form>
+  )
+}
+
+/** Many unknown requests after one incident: the checked ones confirmed as not executed
+ * at once, with one reason, each on the audit log. */
+function BulkForm({ conn, ids, onDone }: { conn: Connection; ids: string[]; onDone: (m: { ok: boolean; text: string }) => void }) {
+  const qc = useQueryClient()
+  const [actor, setActor] = useState(() => localStorage.getItem(ACTOR) ?? '')
+  const [reason, setReason] = useState('')
+  const [busy, setBusy] = useState(false)
+  const [msg, setMsg] = useState<{ ok: boolean; text: string } | null>(null)
+  const submit = async (e: React.FormEvent) => {
+    e.preventDefault()
+    setBusy(true)
+    setMsg(null)
+    try {
+      localStorage.setItem(ACTOR, actor.trim())
+      const r = await reconcileBulk(conn, { ids, actor: actor.trim(), reason: reason.trim() })
+      const left = r.refused.length ? ` ${r.refused.length} left as they were: ${r.refused.map((x) => x.error).join('; ')}` : ''
+      onDone({ ok: r.refused.length === 0, text: `${r.reconciled} confirmed not executed; their keys may run once more.${left}` })
+      qc.invalidateQueries({ queryKey: ['unknowns'] })
+    } catch (err) {
+      setMsg({ ok: false, text: (err as Error).message })
+    } finally {
+      setBusy(false)
+    }
+  }
+  return (
+    <form className="inline-form" onSubmit={submit} data-testid="bulk-form">
+      <span className="small">
+        Confirm the <strong>{ids.length}</strong> checked request(s) as <em>not executed</em> — only when the provider’s own logs show none of them ran. Each becomes failed, and its key may be sent again once.
+      </span>
+      <input aria-label="Your name" placeholder="Your name" value={actor} onChange={(e) => setActor(e.target.value)} required maxLength={64} />
+      <input aria-label="Reason" placeholder="Reason (goes on the audit log)" value={reason} onChange={(e) => setReason(e.target.value)} required maxLength={500} data-testid="bulk-reason" />
+      <button type="submit" className="danger" disabled={busy || !actor.trim() || !reason.trim()} data-testid="bulk-submit">
+        Confirm {ids.length} not executed
+      </button>
       {msg && <p role={msg.ok ? 'status' : 'alert'} className={msg.ok ? 'ok-text small' : 'error small'}>{msg.text}</p>}
     </form>
   )

@@ -15,6 +15,8 @@ import type { LedgerFigures } from './bindings/LedgerFigures'
 import type { PruneAction } from './bindings/PruneAction'
 import type { PruneReport } from './bindings/PruneReport'
 import type { Reconcile } from './bindings/Reconcile'
+import type { BulkReconcile } from './bindings/BulkReconcile'
+import type { BulkReconciled } from './bindings/BulkReconciled'
 import type { RequestRecord } from './bindings/RequestRecord'
 
 export type Connection = { url: string; token: string }
@@ -92,6 +94,10 @@ export const getUnknowns = (c: Connection, limit = 100) =>
 /** I4: an owner's verdict on one unknown request, on the audit log. */
 export const reconcile = (c: Connection, id: string, r: Reconcile) =>
   call<RequestRecord>(c, `/admin/v1/requests/${encodeURIComponent(id)}/reconcile`, post(r))
+
+/** I4 in bulk: a checked selection confirmed as not executed, one reason for all. */
+export const reconcileBulk = (c: Connection, b: BulkReconcile) =>
+  call<BulkReconciled>(c, '/admin/v1/unknowns/reconcile', post(b))
 
 /** N1, I6: unknowns and duplicates per route, the ledger's size, computed now. */
 export const getLedgerFigures = (c: Connection) => call<LedgerFigures>(c, '/admin/v1/ledger')

@@ -543,6 +543,86 @@ async fn reconcile(State(st): State<Arc<AppState>>, Path(id): Path<String>, body
     }
 }
 
+/// I4 in bulk: an owner confirms a checked selection of unknown requests as not executed
+/// (after a provider outage, or a crash whose calls the provider's logs do not show), one
+/// reason for all, each on the audit log. "Confirmed done" needs a result id per request,
+/// so it is one at a time.
+#[derive(Clone, Debug, Deserialize, TS)]
+#[serde(deny_unknown_fields)]
+pub struct BulkReconcile {
+    /// At most 500 request ids.
+    pub ids: Vec<String>,
+    pub actor: String,
+    pub reason: String,
+}
+
+/// What a bulk reconciliation did.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct BulkReconciled {
+    pub reconciled: u32,
+    /// Requests left as they were, with why (no longer unknown, not found).
+    pub refused: Vec<BulkRefusal>,
+}
+
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct BulkRefusal {
+    pub id: String,
+    pub error: String,
+}
+
+async fn reconcile_bulk(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Response {
+    let b: BulkReconcile = match json_body(&body) {
+        Ok(b) => b,
+        Err(m) => return unprocessable(m),
+    };
+    let (actor, reason) = match checked(&b.actor, &b.reason) {
+        Ok(v) => v,
+        Err(m) => return unprocessable(m),
+    };
+    if b.ids.is_empty() || b.ids.len() > 500 {
+        return unprocessable("`ids`: 1 to 500 request ids, the explicit selection.".into());
+    }
+    let r = Reconcile {
+        outcome: Reconciliation::ConfirmedNotExecuted,
+        result_id: None,
+        actor,
+        reason,
+    };
+    let mut out = BulkReconciled {
+        reconciled: 0,
+        refused: Vec::new(),
+    };
+    let mut ids = b.ids;
+    ids.sort();
+    ids.dedup();
+    for id in ids {
+        let result = if id.len() > 64 {
+            Err(spillway_ledger::Error::NotFound)
+        } else {
+            st.ledger.reconcile(&id, &r, clock::now()).await
+        };
+        match result {
+            Ok(_) => out.reconciled += 1,
+            Err(spillway_ledger::Error::NotFound) => out.refused.push(BulkRefusal {
+                id,
+                error: "No request with that id.".into(),
+            }),
+            Err(spillway_ledger::Error::Conflict(m)) => out.refused.push(BulkRefusal { id, error: m }),
+            Err(e) => {
+                return admin_error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "the ledger stopped taking reconciliations after {} of them: {e}",
+                        out.reconciled
+                    ),
+                );
+            }
+        }
+    }
+    tracing::warn!(count = out.reconciled, actor = %r.actor, "unknown requests confirmed not executed in bulk");
+    axum::Json(out).into_response()
+}
+
 /// The ledger's figures, computed now.
 async fn ledger_figures(State(st): State<Arc<AppState>>) -> Response {
     let now = clock::now();
@@ -618,6 +698,7 @@ async fn prune(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Resp
 pub fn router(st: Arc<AppState>) -> Router<Arc<AppState>> {
     Router::new()
         .route("/admin/v1/unknowns", get(unknowns))
+        .route("/admin/v1/unknowns/reconcile", post(reconcile_bulk))
         .route("/admin/v1/requests/{id}/reconcile", post(reconcile))
         .route("/admin/v1/ledger", get(ledger_figures))
         .route("/admin/v1/ledger/prune", post(prune))

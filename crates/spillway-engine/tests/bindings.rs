@@ -2,7 +2,10 @@
 //! under `ui/src/bindings/`. This test regenerates them and fails when the committed copy
 //! is stale; `UPDATE_BINDINGS=1 cargo test -p spillway-engine --test bindings` rewrites it.
 
-use spillway_engine::admin::{AdminError, BreakerAction, OperatorAction, Overview, PruneAction, RequestDetail, Tick};
+use spillway_engine::admin::{
+    AdminError, BreakerAction, BulkReconcile, BulkReconciled, OperatorAction, Overview, PruneAction, RequestDetail,
+    Tick,
+};
 use spillway_engine::state::OperatorAlert;
 use spillway_ledger::{AuditEntry, Page, PruneReport, Reconcile, Search};
 use std::collections::BTreeMap;
@@ -41,6 +44,8 @@ fn ui_bindings_are_current() {
     Reconcile::export_all(&cfg).unwrap();
     PruneAction::export_all(&cfg).unwrap();
     PruneReport::export_all(&cfg).unwrap();
+    BulkReconcile::export_all(&cfg).unwrap();
+    BulkReconciled::export_all(&cfg).unwrap();
     let fresh = files(tmp.path());
     let committed_dir: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ui/src/bindings");
     if std::env::var_os("UPDATE_BINDINGS").is_some() {
