@@ -93,7 +93,7 @@ test('the desktop window opens connected and shows live numbers', async () => {
   await shot('overview-desktop.png')
 })
 
-test('the desktop window shows the breakers, the ledger and the connection screen', async () => {
+test('the desktop window shows the breakers, the ledger, the unknown outcomes and the connection screen', async () => {
   // spec: G4
   await click('//nav//a[normalize-space()="Breakers"]')
   await until('the breakers table', async () => (await text('[data-testid="breakers"]')).includes('closed'))
@@ -101,6 +101,10 @@ test('the desktop window shows the breakers, the ledger and the connection scree
   await click('//nav//a[normalize-space()="Ledger"]')
   await until('ledger rows', async () => (await text('[data-testid="results"]')).includes('done'))
   await shot('ledger-desktop.png')
+  // spec: I4
+  await click('//nav//a[normalize-space()="Unknowns"]')
+  const inbox = await until('the unknown outcomes inbox', async () => text('[data-testid="unknowns-empty"]'))
+  assert.match(inbox, /every request the gateway sent has a known outcome/)
   await click('//button[normalize-space()="Disconnect"]')
   const form = await until('the connection screen', async () => text('.connect'))
   assert.match(form, /Connect to a gateway/)
