@@ -133,6 +133,10 @@ function Detail({ conn, id, onClose }: { conn: Connection; id: string; onClose: 
     ['Received', time(r.received_at)], ['Queued', r.queued_ms === null ? 'no wait' : ms(r.queued_ms)],
     ...(r.next_ready_at ? [['Next attempt at', time(r.next_ready_at)] as [string, string]] : []),
     ['First token', since(r.received_at, r.first_token_at)], ['Finished', since(r.received_at, r.finished_at)],
+    ...(r.idempotency_key ? [['Idempotency-Key', r.idempotency_key] as [string, string]] : []),
+    ...(r.replay_of ? [['Replay of', `${r.replay_of} (answered from the ledger; nothing sent upstream)`] as [string, string]] : []),
+    ...(r.resolution?.result_id ? [['Result id', r.resolution.result_id] as [string, string]] : []),
+    ...(r.resolution?.reconciliation ? [['Reconciled', `${r.resolution.reconciliation.replace(/_/g, ' ')} by ${r.resolution.reconciled_by ?? '?'} at ${time(r.resolution.reconciled_at)}: ${r.resolution.reconciled_reason ?? ''}`] as [string, string]] : []),
   ]
   return (
     <aside className="detail" data-testid="detail">

@@ -18,7 +18,7 @@ const request: RequestRecord = {
   output_tokens: null, cached_input_tokens: null, reasoning_tokens: null, cost_usd: null, received_at: now - 3 * 3600_000,
   admitted_at: now - 3 * 3600_000 + 5, first_token_at: null, finished_at: null, queued_ms: null, attempts: 2,
   body_sha256: 'ab', partial_output_committed: false, next_ready_at: null, idempotency_key: 'invoice-42', replay_of: null,
-  result_id: null, side_effect_at: null, reconciliation: null, reconciled_by: null, reconciled_reason: null, reconciled_at: null,
+  resolution: null,
 }
 const items: RequestDetail[] = [{
   request,

@@ -99,7 +99,7 @@ function Selected({ conn, id, listed }: { conn: Connection; id: string; listed: 
   if (!item || item.request.state !== 'unknown') {
     return (
       <p className="muted" data-testid="unknown-gone">
-        Request {id} is not waiting for reconciliation{item ? ` (it is ${item.request.state}${item.request.reconciled_by ? `, reconciled by ${item.request.reconciled_by}` : ''})` : ''}. <a {...linkProps({ view: 'ledger', id })}>See it in the ledger.</a>
+        Request {id} is not waiting for reconciliation{item ? ` (it is ${item.request.state}${item.request.resolution?.reconciled_by ? `, reconciled by ${item.request.resolution.reconciled_by}` : ''})` : ''}. <a {...linkProps({ view: 'ledger', id })}>See it in the ledger.</a>
       </p>
     )
   }

@@ -239,7 +239,7 @@ pub async fn check(st: &Arc<AppState>, key: String, rec: &RequestRecord) -> Verd
             } else {
                 Verdict::Refuse(GatewayError::IdempotencyNotKept {
                     original: o.id.clone(),
-                    result_id: o.result_id.clone(),
+                    result_id: o.result_id().map(str::to_owned),
                 })
             }
         }
@@ -255,7 +255,7 @@ pub fn replay_headers(h: &mut HeaderMap, original: &RequestRecord) {
     };
     set("x-spillway-idempotent-replay", "true");
     set("x-spillway-replay-of", &original.id);
-    match (original.state, &original.result_id) {
+    match (original.state, original.result_id()) {
         (_, Some(r)) => {
             set("x-spillway-side-effect", "done");
             set("x-spillway-result-id", r);
@@ -285,8 +285,8 @@ fn status_json(rec: &RequestRecord) -> axum::response::Response {
         http_status: rec.http_status,
         idempotency_key: rec.idempotency_key.as_deref(),
         replay_of: rec.replay_of.as_deref(),
-        result_id: rec.result_id.as_deref(),
-        side_effect_at: rec.side_effect_at,
+        result_id: rec.result_id(),
+        side_effect_at: rec.resolution.as_ref().and_then(|r| r.side_effect_at),
     })
     .into_response()
 }

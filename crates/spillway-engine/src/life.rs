@@ -433,7 +433,7 @@ impl Life {
                 let Some(stored) = response else {
                     let e = GatewayError::IdempotencyNotKept {
                         original: original.id.clone(),
-                        result_id: original.result_id.clone(),
+                        result_id: original.result_id().map(str::to_owned),
                     };
                     return Box::pin(self.close(End::refused(e))).await;
                 };

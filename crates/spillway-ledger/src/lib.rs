@@ -19,7 +19,7 @@ pub use idem::{KeyedRequest, LedgerFigures, Payload, PruneReport, Reconcile, Rou
 pub use lock::LedgerLock;
 pub use record::{
     AttemptRecord, Decision, FailureClass, GatewayClass, MAX_MESSAGE, Page, Reconciliation, RequestRecord,
-    RequestState, Search, StopReason, truncate,
+    RequestState, Resolution, Search, StopReason, truncate,
 };
 pub use sqlite::{Durability, SqliteBackend};
 pub use writer::{Ledger, LedgerHealth};

@@ -366,8 +366,17 @@ pub struct RequestRecord {
     pub idempotency_key: Option<String>,
     /// A repeat answered from the ledger: the request whose stored response it replayed.
     pub replay_of: Option<String>,
+    /// What was recorded after the answer, outside the request path (the side-effect
+    /// step, an owner's reconciliation). Out of line: rare, and every request's record
+    /// is cloned and queued several times on the request path.
+    pub resolution: Option<Box<Resolution>>,
+}
+
+/// The side-effect step and an owner's reconciliation of a request (I3, I4).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, TS)]
+pub struct Resolution {
     /// The downstream result: the side effect's id, or the id an owner attached when
-    /// confirming an unknown request as done. Set outside the request path.
+    /// confirming an unknown request as done.
     pub result_id: Option<String>,
     /// When the side-effect step was last marked (pending or done).
     pub side_effect_at: Option<UnixMs>,
@@ -376,6 +385,18 @@ pub struct RequestRecord {
     pub reconciled_by: Option<String>,
     pub reconciled_reason: Option<String>,
     pub reconciled_at: Option<UnixMs>,
+}
+
+impl RequestRecord {
+    /// The result id recorded for the request, if any (see [`Resolution`]).
+    pub fn result_id(&self) -> Option<&str> {
+        self.resolution.as_ref().and_then(|r| r.result_id.as_deref())
+    }
+
+    /// Who reconciled the request's unknown outcome, if anyone.
+    pub fn reconciled_by(&self) -> Option<&str> {
+        self.resolution.as_ref().and_then(|r| r.reconciled_by.as_deref())
+    }
 }
 
 /// I4: an owner's verdict on a request whose outcome was unknown.
@@ -448,12 +469,7 @@ impl RequestRecord {
             next_ready_at: None,
             idempotency_key: None,
             replay_of: None,
-            result_id: None,
-            side_effect_at: None,
-            reconciliation: None,
-            reconciled_by: None,
-            reconciled_reason: None,
-            reconciled_at: None,
+            resolution: None,
         }
     }
 

@@ -275,14 +275,19 @@ fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
         next_ready_at: ms(r.try_get("next_ready_at")?),
         idempotency_key: r.try_get("idempotency_key")?,
         replay_of: r.try_get("replay_of")?,
-        result_id: r.try_get("result_id")?,
-        side_effect_at: ms(r.try_get("side_effect_at")?),
-        reconciliation: r
-            .try_get::<Option<String>, _>("reconciliation")?
-            .and_then(|v| Reconciliation::parse(&v)),
-        reconciled_by: r.try_get("reconciled_by")?,
-        reconciled_reason: r.try_get("reconciled_reason")?,
-        reconciled_at: ms(r.try_get("reconciled_at")?),
+        resolution: {
+            let res = crate::Resolution {
+                result_id: r.try_get("result_id")?,
+                side_effect_at: ms(r.try_get("side_effect_at")?),
+                reconciliation: r
+                    .try_get::<Option<String>, _>("reconciliation")?
+                    .and_then(|v| Reconciliation::parse(&v)),
+                reconciled_by: r.try_get("reconciled_by")?,
+                reconciled_reason: r.try_get("reconciled_reason")?,
+                reconciled_at: ms(r.try_get("reconciled_at")?),
+            };
+            (res != crate::Resolution::default()).then(|| Box::new(res))
+        },
     })
 }
 
@@ -791,8 +796,7 @@ impl LedgerBackend for SqliteBackend {
                     Some(cur) => Error::Conflict(format!(
                         "request {id} is `{}`, not unknown: there is nothing to reconcile{}",
                         cur.state.as_str(),
-                        cur.reconciled_by
-                            .as_deref()
+                        cur.reconciled_by()
                             .map(|b| format!(" ({b} reconciled it already)"))
                             .unwrap_or_default()
                     )),
@@ -848,12 +852,12 @@ impl LedgerBackend for SqliteBackend {
         // Marking again what is already marked is fine (a client retrying its call).
         let same = match step {
             SideEffect::Pending => cur.state == RequestState::SideEffectPending,
-            SideEffect::Done { result_id } => cur.result_id.as_ref() == Some(result_id),
+            SideEffect::Done { result_id } => cur.result_id() == Some(result_id.as_str()),
         };
         if same {
             return Ok(cur);
         }
-        Err(Error::Conflict(match (&cur.result_id, cur.state) {
+        Err(Error::Conflict(match (cur.result_id(), cur.state) {
             (Some(r), _) => format!("request {id} already has its side effect recorded as done (result id {r})"),
             (None, s) => format!(
                 "request {id} is `{}`: a side effect is recorded only for a request whose answer arrived",

@@ -929,10 +929,11 @@ mod tests {
         };
         let r = ledger.reconcile(&a, &done, UnixMs(9_000)).await.unwrap();
         assert_eq!(r.state, RequestState::Done);
-        assert_eq!(r.result_id.as_deref(), Some("msg-42"));
-        assert_eq!(r.reconciliation, Some(crate::Reconciliation::ConfirmedDone));
+        assert_eq!(r.result_id(), Some("msg-42"));
+        let res = r.resolution.as_deref().unwrap();
+        assert_eq!(res.reconciliation, Some(crate::Reconciliation::ConfirmedDone));
         assert_eq!(
-            (r.reconciled_by.as_deref(), r.reconciled_at),
+            (res.reconciled_by.as_deref(), res.reconciled_at),
             (Some("kenji"), Some(UnixMs(9_000)))
         );
         // Once only: a second verdict is refused and names who gave the first.
@@ -991,8 +992,9 @@ mod tests {
             .side_effect(&id, &SideEffect::Pending, UnixMs(7_002))
             .await
             .unwrap();
+        let at = |r: &RequestRecord| r.resolution.as_ref().and_then(|x| x.side_effect_at);
         assert_eq!(
-            (r.state, r.side_effect_at),
+            (r.state, at(&r)),
             (RequestState::SideEffectPending, Some(UnixMs(7_002)))
         );
         // Again: accepted, unchanged.
@@ -1000,7 +1002,7 @@ mod tests {
             .side_effect(&id, &SideEffect::Pending, UnixMs(7_003))
             .await
             .unwrap();
-        assert_eq!(r.side_effect_at, Some(UnixMs(7_002)));
+        assert_eq!(at(&r), Some(UnixMs(7_002)));
         // A late write from the request path cannot take the pending step back.
         ledger
             .put_request(keyed_rec(&id, RequestState::Done, "k", 7_000))
@@ -1015,15 +1017,9 @@ mod tests {
             result_id: "email-9".into(),
         };
         let r = ledger.side_effect(&id, &done, UnixMs(7_004)).await.unwrap();
-        assert_eq!((r.state, r.result_id.as_deref()), (RequestState::Done, Some("email-9")));
-        assert_eq!(
-            ledger
-                .side_effect(&id, &done, UnixMs(7_005))
-                .await
-                .unwrap()
-                .side_effect_at,
-            Some(UnixMs(7_004))
-        );
+        assert_eq!((r.state, r.result_id()), (RequestState::Done, Some("email-9")));
+        let again = ledger.side_effect(&id, &done, UnixMs(7_005)).await.unwrap();
+        assert_eq!(at(&again), Some(UnixMs(7_004)));
         // Never twice with another result, never back to pending.
         let other = SideEffect::Done {
             result_id: "email-10".into(),
@@ -1044,7 +1040,7 @@ mod tests {
             .unwrap();
         ledger.flush().await.unwrap();
         assert_eq!(
-            ledger.get_request(&id).await.unwrap().unwrap().result_id.as_deref(),
+            ledger.get_request(&id).await.unwrap().unwrap().result_id(),
             Some("email-9")
         );
         ledger.close(Duration::from_secs(1)).await.unwrap();
