@@ -96,20 +96,7 @@ async fn prune(config: Option<PathBuf>, ledger: Option<PathBuf>, older_than_days
     backend
         .record_transition(
             None,
-            &spillway_ledger::AuditEntry {
-                id: 0,
-                at: now,
-                kind: "ledger".into(),
-                subject: "prune".into(),
-                actor,
-                action: "pruned".into(),
-                trigger: older_than_days.map(|d| format!("finished requests older than {d} day(s)")),
-                reason: "spillway ledger prune".into(),
-                figures: Some(format!(
-                    r#"[{{"name":"payloads","value":{}}},{{"name":"requests","value":{}}},{{"name":"attempts","value":{}}}]"#,
-                    r.payloads, r.requests, r.attempts
-                )),
-            },
+            &r.audit_entry(now, actor, "spillway ledger prune".into(), older_than_days),
         )
         .await?;
     println!(

@@ -670,22 +670,7 @@ async fn prune(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -> Resp
         Ok(r) => r,
         Err(e) => return admin_error(StatusCode::SERVICE_UNAVAILABLE, format!("prune failed: {e}")),
     };
-    let entry = AuditEntry {
-        id: 0,
-        at: now,
-        kind: "ledger".into(),
-        subject: "prune".into(),
-        actor,
-        action: "pruned".into(),
-        trigger: a
-            .older_than_days
-            .map(|d| format!("finished requests older than {d} day(s)")),
-        reason,
-        figures: Some(format!(
-            r#"[{{"name":"payloads","value":{}}},{{"name":"requests","value":{}}},{{"name":"attempts","value":{}}}]"#,
-            report.payloads, report.requests, report.attempts
-        )),
-    };
+    let entry = report.audit_entry(now, actor, reason, a.older_than_days);
     if let Err(e) = st.ledger.record_transition(None, &entry).await {
         return admin_error(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -3,7 +3,7 @@
 //! figures the console shows (unknowns and duplicates per route, the ledger's size) and
 //! pruning.
 
-use crate::{Reconciliation, RequestRecord};
+use crate::{AuditEntry, Reconciliation, RequestRecord};
 use serde::{Deserialize, Serialize};
 use spillway_wire::UnixMs;
 use ts_rs::TS;
@@ -102,4 +102,24 @@ pub struct PruneReport {
     pub attempts: u64,
     pub bytes_before: u64,
     pub bytes_after: u64,
+}
+
+impl PruneReport {
+    /// The audit entry a prune leaves, whoever ran it (the console or the CLI).
+    pub fn audit_entry(&self, at: UnixMs, actor: String, reason: String, older_than_days: Option<u32>) -> AuditEntry {
+        AuditEntry {
+            id: 0,
+            at,
+            kind: "ledger".into(),
+            subject: "prune".into(),
+            actor,
+            action: "pruned".into(),
+            trigger: older_than_days.map(|d| format!("finished requests older than {d} day(s)")),
+            reason,
+            figures: Some(format!(
+                r#"[{{"name":"payloads","value":{}}},{{"name":"requests","value":{}}},{{"name":"attempts","value":{}}}]"#,
+                self.payloads, self.requests, self.attempts
+            )),
+        }
+    }
 }
