@@ -98,17 +98,6 @@ impl Claims {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
-
-    /// Keys held right now (running, or closing and not yet seen committed).
-    pub fn len(&self) -> usize {
-        let mut c = self.lock();
-        c.purge();
-        c.held.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// A key held by the request that runs under it. Dropped without [`Claim::release`]

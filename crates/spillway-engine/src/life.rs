@@ -173,10 +173,10 @@ impl Life {
         }
     }
 
-    /// Queues the request's body copies (a completed response for replays, the prompt
-    /// when kept), ahead of its final record so that both share a commit.
+    /// Queues the request's body copies (a completed response for replays, within
+    /// `max_stored_response_bytes` as its callers checked; the prompt when kept), ahead of
+    /// its final record so that both share a commit.
     fn store_payload(&mut self, response: Option<StoredResponse>) {
-        let response = response.filter(|r| r.body.len() as u64 <= self.st.config.idempotency.max_stored_response_bytes);
         if response.is_none() && self.prompt.is_none() {
             return;
         }

@@ -27,13 +27,6 @@ pub struct Payload {
     pub response: Option<StoredResponse>,
 }
 
-impl Payload {
-    /// Bytes this payload takes, roughly: what the writer counts against its batch.
-    pub fn bytes(&self) -> usize {
-        self.request_body.as_ref().map_or(0, Vec::len) + self.response.as_ref().map_or(0, |r| r.body.len())
-    }
-}
-
 /// The newest request under a key's `Idempotency-Key`, with its stored response if one is
 /// kept and not expired.
 #[derive(Clone, Debug)]
