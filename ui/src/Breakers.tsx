@@ -10,6 +10,7 @@ import { Chart } from './Chart'
 import { breakerPill, count, duration, ms, pct, time, trigger } from './format'
 import { linkProps, navigate } from './router'
 import { useLive, type ControlPoint } from './useLive'
+import { useActor } from './actor'
 
 export function BreakersView({ conn, selected }: { conn: Connection; selected: string | null }) {
   const { overview, error, history } = useLive(conn)
@@ -165,12 +166,10 @@ function figuresText(json: string | null): string {
   }
 }
 
-const ACTOR = 'spillway.actor'
-
 /** G4: open or close by hand, with a name and a reason that go on the audit log. */
 function ManualForm({ conn, r, onDone }: { conn: Connection; r: RouteControlView; onDone: () => void }) {
   const qc = useQueryClient()
-  const [actor, setActor] = useState(() => localStorage.getItem(ACTOR) ?? '')
+  const { actor, setActor, remember } = useActor()
   const [reason, setReason] = useState('')
   const [busy, setBusy] = useState(false)
   const [msg, setMsg] = useState<{ ok: boolean; text: string } | null>(null)
@@ -180,7 +179,7 @@ function ManualForm({ conn, r, onDone }: { conn: Connection; r: RouteControlView
     setBusy(true)
     setMsg(null)
     try {
-      localStorage.setItem(ACTOR, actor.trim())
+      remember()
       const v = await setBreaker(conn, open, { route: r.route, actor, reason })
       setMsg({ ok: true, text: `Breaker ${v.breaker.state}. Recorded on the audit log.` })
       setReason('')

@@ -8,6 +8,7 @@ import { linkProps } from './router'
 import { Chart } from './Chart'
 import { breakerPill, bytes, count, errorMix, ms, pct, rate, rejectReason, rotationPill, severityClass, time, usd } from './format'
 import { useLive } from './useLive'
+import { useActor } from './actor'
 
 export function OverviewView({ conn }: { conn: Connection }) {
   const { overview, error, connected, alerts } = useLive(conn)
@@ -136,7 +137,7 @@ export function OverviewView({ conn }: { conn: Connection }) {
 
 function ChannelRow({ c, conn }: { c: ChannelView; conn: Connection }) {
   const [asking, setAsking] = useState(false)
-  const [actor, setActor] = useState(() => localStorage.getItem('spillway.actor') ?? '')
+  const { actor, setActor, remember } = useActor()
   const [reason, setReason] = useState('')
   const [busy, setBusy] = useState(false)
   const [err, setErr] = useState<string | null>(null)
@@ -152,7 +153,7 @@ function ChannelRow({ c, conn }: { c: ChannelView; conn: Connection }) {
     setBusy(true)
     setErr(null)
     try {
-      localStorage.setItem('spillway.actor', actor.trim())
+      remember()
       await restoreChannel(conn, c.name, { actor, reason })
       setAsking(false)
       setReason('')
@@ -219,7 +220,7 @@ function Tile({ label, value, hint, testid }: { label: string; value: string; hi
  * be 0), and its size, with a prune that goes on the audit log. */
 function LedgerPanel({ conn, f }: { conn: Connection; f: LedgerFigures | null }) {
   const [asking, setAsking] = useState(false)
-  const [actor, setActor] = useState(() => localStorage.getItem('spillway.actor') ?? '')
+  const { actor, setActor, remember } = useActor()
   const [reason, setReason] = useState('')
   const [days, setDays] = useState('')
   const [busy, setBusy] = useState(false)
@@ -232,7 +233,7 @@ function LedgerPanel({ conn, f }: { conn: Connection; f: LedgerFigures | null })
     setBusy(true)
     setMsg(null)
     try {
-      localStorage.setItem('spillway.actor', actor.trim())
+      remember()
       const r: PruneReport = await pruneLedger(conn, { actor, reason, older_than_days: days ? Number(days) : null })
       setMsg({ ok: true, text: `Removed ${count(r.payloads)} expired response copies, ${count(r.requests)} requests and ${count(r.attempts)} attempts. The file keeps its size and reuses the space; \`spillway ledger prune\` on a stopped gateway gives it back.` })
       setAsking(false)

@@ -9,6 +9,7 @@ import type { RequestDetail } from './bindings/RequestDetail'
 import type { Reconciliation } from './bindings/Reconciliation'
 import { age, decision, failureClass, time } from './format'
 import { linkProps, navigate } from './router'
+import { useActor } from './actor'
 
 /** The newest this many are listed; the count beside them is the whole inbox's. */
 const PAGE = 100
@@ -155,13 +156,11 @@ function Evidence({ conn, item }: { conn: Connection; item: RequestDetail }) {
   )
 }
 
-const ACTOR = 'spillway.actor'
-
 function ReconcileForm({ conn, item }: { conn: Connection; item: RequestDetail }) {
   const qc = useQueryClient()
   const [outcome, setOutcome] = useState<Reconciliation | null>(null)
   const [resultId, setResultId] = useState('')
-  const [actor, setActor] = useState(() => localStorage.getItem(ACTOR) ?? '')
+  const { actor, setActor, remember } = useActor()
   const [reason, setReason] = useState('')
   const [busy, setBusy] = useState(false)
   const [msg, setMsg] = useState<{ ok: boolean; text: string } | null>(null)
@@ -172,7 +171,7 @@ function ReconcileForm({ conn, item }: { conn: Connection; item: RequestDetail }
     setBusy(true)
     setMsg(null)
     try {
-      localStorage.setItem(ACTOR, actor.trim())
+      remember()
       const rec = await reconcile(conn, item.request.id, {
         outcome,
         result_id: outcome === 'confirmed_done' ? resultId.trim() : null,
@@ -216,7 +215,7 @@ function ReconcileForm({ conn, item }: { conn: Connection; item: RequestDetail }
  * at once, with one reason, each on the audit log. */
 function BulkForm({ conn, ids, onDone }: { conn: Connection; ids: string[]; onDone: (m: { ok: boolean; text: string }) => void }) {
   const qc = useQueryClient()
-  const [actor, setActor] = useState(() => localStorage.getItem(ACTOR) ?? '')
+  const { actor, setActor, remember } = useActor()
   const [reason, setReason] = useState('')
   const [busy, setBusy] = useState(false)
   const [msg, setMsg] = useState<{ ok: boolean; text: string } | null>(null)
@@ -225,7 +224,7 @@ function BulkForm({ conn, ids, onDone }: { conn: Connection; ids: string[]; onDo
     setBusy(true)
     setMsg(null)
     try {
-      localStorage.setItem(ACTOR, actor.trim())
+      remember()
       const r = await reconcileBulk(conn, { ids, actor: actor.trim(), reason: reason.trim() })
       const left = r.refused.length ? ` ${r.refused.length} left as they were: ${r.refused.map((x) => x.error).join('; ')}` : ''
       onDone({ ok: r.refused.length === 0, text: `${r.reconciled} confirmed not executed; their keys may run once more.${left}` })
