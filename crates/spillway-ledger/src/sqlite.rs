@@ -37,12 +37,25 @@ const WAL_RESTART_BYTES: u64 = 16 * 1024 * 1024;
 /// The WAL file is truncated back to this many bytes after it restarts.
 const WAL_SIZE_LIMIT: u64 = WAL_RESTART_BYTES;
 
-/// SQLite allows 32766 bound parameters per statement (a batch row binds up to 34);
-/// stay well under it.
+/// SQLite allows 32766 bound parameters per statement and a batch row binds 60.
 const ROWS_PER_STATEMENT: usize = 500;
 
-/// Batches of up to this many rows keep their prepared statement.
-const CACHED_ROWS: usize = 12;
+/// The largest batch that keeps its prepared statement. Larger ones come only under heavy
+/// load, where compiling is shared by many rows, and would fill the cache with big
+/// programs.
+const CACHED_ROWS: usize = 64;
+
+/// The row count a batch statement is padded to (with rows of no kind, which the view's
+/// trigger skips): a statement's text depends only on its size class, so small batches
+/// reuse one of a few prepared statements instead of compiling their own (the trigger
+/// makes compiling a batch cost about as much as running it).
+fn size_class(rows: usize) -> usize {
+    match rows {
+        0..=16 => rows.max(1),
+        17..=CACHED_ROWS => rows.next_power_of_two(),
+        _ => rows,
+    }
+}
 
 const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request_id, key_name, owner, workflow, \
     format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
@@ -370,32 +383,35 @@ static BATCH_VIEW: LazyLock<String> = LazyLock::new(|| {
 
 fn nulls(b: &mut Separated<'_, Sqlite, &'static str>, n: usize) {
     for _ in 0..n {
-        b.push("NULL");
+        b.push_bind(None::<i64>);
     }
 }
 
-/// `INSERT INTO ledger_batch VALUES ...` for `rows`.
+/// `INSERT INTO ledger_batch VALUES ...` for `rows`, padded to their size class. Every
+/// value is a parameter, so the text is the same for every batch of that class.
 fn insert_batch(q: &mut QueryBuilder<Sqlite>, rows: &[BatchRow<'_>]) {
     let (requests, attempts, payloads) = (
         columns(REQUEST_COLUMNS).count(),
         columns(ATTEMPT_COLUMNS).count(),
         columns(PAYLOAD_COLUMNS).count(),
     );
+    let padding = size_class(rows.len()) - rows.len();
+    let padded = rows.iter().map(Some).chain(std::iter::repeat_n(None, padding));
     q.push("INSERT INTO ledger_batch ");
-    q.push_values(rows, |mut b, row| match row {
-        BatchRow::Request(r) => {
-            b.push("'r'");
+    q.push_values(padded, |mut b, row| match row {
+        Some(BatchRow::Request(r)) => {
+            b.push_bind("r");
             bind_request(&mut b, r);
             nulls(&mut b, attempts + payloads);
         }
-        BatchRow::Attempt(a) => {
-            b.push("'a'");
+        Some(BatchRow::Attempt(a)) => {
+            b.push_bind("a");
             nulls(&mut b, requests);
             bind_attempt(&mut b, a);
             nulls(&mut b, payloads);
         }
-        BatchRow::Payload(p) => {
-            b.push("'p'");
+        Some(BatchRow::Payload(p)) => {
+            b.push_bind("p");
             nulls(&mut b, requests + attempts);
             let r = p.response.as_ref();
             b.push_bind(p.request_id.clone())
@@ -405,6 +421,7 @@ fn insert_batch(q: &mut QueryBuilder<Sqlite>, rows: &[BatchRow<'_>]) {
                 .push_bind(r.map(|r| r.content_type.clone()))
                 .push_bind(r.map(|r| r.body.clone()));
         }
+        None => nulls(&mut b, 1 + requests + attempts + payloads),
     });
 }
 
@@ -546,10 +563,11 @@ impl LedgerBackend for SqliteBackend {
         if several {
             q.push("COMMIT;");
         }
-        // Small batches repeat (a few rows each) and keep their prepared statements; a
-        // large one is a one-off that would only push them out of the cache.
-        let keep = rows.len() <= CACHED_ROWS;
-        let result = q.build().persistent(keep).execute(&mut *conn).await;
+        let result = q
+            .build()
+            .persistent(rows.len() <= CACHED_ROWS)
+            .execute(&mut *conn)
+            .await;
         if let Err(e) = result {
             if several {
                 // The statement that failed left the transaction open.

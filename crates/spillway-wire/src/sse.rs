@@ -30,27 +30,40 @@ impl SseParser {
     /// Feeds `chunk`, returning the events it completed.
     pub fn push(&mut self, chunk: &[u8]) -> Vec<SseEvent> {
         let mut out = Vec::new();
-        for &b in chunk {
-            if self.after_cr {
-                self.after_cr = false;
-                if b == b'\n' {
-                    continue;
-                }
-            }
-            match b {
-                b'\n' => self.end_line(&mut out),
-                b'\r' => {
-                    self.after_cr = true;
-                    self.end_line(&mut out);
-                }
-                _ => self.line.push(b),
+        let mut rest = chunk;
+        if self.after_cr && !rest.is_empty() {
+            self.after_cr = false;
+            if rest[0] == b'\n' {
+                rest = &rest[1..];
             }
         }
+        // Whole lines are read from the chunk in place; only a line cut by the chunk's end
+        // is copied, into `line`, which keeps its capacity between lines.
+        while let Some(i) = rest.iter().position(|&b| b == b'\n' || b == b'\r') {
+            if self.line.is_empty() {
+                self.end_line(&rest[..i], &mut out);
+            } else {
+                let mut line = std::mem::take(&mut self.line);
+                line.extend_from_slice(&rest[..i]);
+                self.end_line(&line, &mut out);
+                line.clear();
+                self.line = line;
+            }
+            let cr = rest[i] == b'\r';
+            rest = &rest[i + 1..];
+            if cr {
+                match rest.first() {
+                    None => self.after_cr = true,
+                    Some(b'\n') => rest = &rest[1..],
+                    Some(_) => {}
+                }
+            }
+        }
+        self.line.extend_from_slice(rest);
         out
     }
 
-    fn end_line(&mut self, out: &mut Vec<SseEvent>) {
-        let line = std::mem::take(&mut self.line);
+    fn end_line(&mut self, line: &[u8], out: &mut Vec<SseEvent>) {
         if line.is_empty() {
             if self.has_data || self.event.is_some() {
                 out.push(SseEvent {
@@ -69,7 +82,7 @@ impl SseParser {
                 let v = &line[i + 1..];
                 (&line[..i], v.strip_prefix(b" ").unwrap_or(v))
             }
-            None => (&line[..], &b""[..]),
+            None => (line, &b""[..]),
         };
         let value = String::from_utf8_lossy(value);
         match name {
@@ -105,6 +118,24 @@ mod tests {
             let mut got = p.push(&stream[..cut]);
             got.extend(p.push(&stream[cut..]));
             assert_eq!(got, whole, "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn any_three_way_split_gives_the_same_events() {
+        // Lines are read in place when whole and buffered when cut: a line cut twice, and
+        // a CR at a chunk's end, must read as in one piece.
+        let stream = b"event: a\r\ndata: 12345\r\rdata: x\n\n: c\ndata: y\r\n\r\n";
+        let whole = SseParser::new().push(stream);
+        assert_eq!(whole.len(), 3);
+        for i in 0..stream.len() {
+            for j in i..stream.len() {
+                let mut p = SseParser::new();
+                let mut got = p.push(&stream[..i]);
+                got.extend(p.push(&stream[i..j]));
+                got.extend(p.push(&stream[j..]));
+                assert_eq!(got, whole, "cuts at {i} and {j}");
+            }
         }
     }
 
