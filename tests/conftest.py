@@ -24,6 +24,8 @@ BIN = Path(os.environ.get("SPILLWAY_BIN", ROOT / "target" / "debug" / "spillway"
 PROVIDER_ENV = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY")
 
 MODELS = {"openai": "gpt-4o-mini", "anthropic": "claude-haiku-4-5", "gemini": "gemini-2.5-flash"}
+# Served beside the chat model on the same channels (the simulator embeds any text).
+EMBED_MODELS = {"openai": "text-embedding-3-small", "gemini": "gemini-embedding-001"}
 
 
 def clean_env(**extra):
@@ -172,7 +174,7 @@ def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml="", args=(), group=
     for fmt, names in groups.items():
         for i, name in enumerate(names):
             lines += [f"  - name: {name}", f"    format: {fmt}", f"    base_url: {sim.url}/{name}",
-                      "    api_key_env: UPSTREAM_KEY", f"    models: [{MODELS[fmt]}]",
+                      "    api_key_env: UPSTREAM_KEY", f"    models: [{', '.join([MODELS[fmt]] + ([EMBED_MODELS[fmt]] if fmt in EMBED_MODELS else []))}]",
                       f"    max_concurrency: {max_concurrency}", f"    priority: {len(names) - i}", channel_yaml]
     lines += ["keys:", "  - name: app", "    owner: team-a", "    secret_env: SPILLWAY_TEST_KEY", key_yaml,
               "owners:", "  - name: team-a", "    balance_usd: 100"]

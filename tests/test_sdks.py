@@ -9,7 +9,7 @@ import openai
 from google import genai
 from google.genai import types
 
-from conftest import MODELS
+from conftest import EMBED_MODELS, MODELS
 
 
 def oa(gw):
@@ -168,7 +168,7 @@ def test_upstream_gets_channel_key_and_trace_never_client_key(gateway):
 
 def test_model_lists(gateway):
     # spec: A1
-    assert [m.id for m in oa(gateway).models.list()] == [MODELS["openai"]]
+    assert [m.id for m in oa(gateway).models.list()] == [MODELS["openai"], EMBED_MODELS["openai"]]
     assert [m.id for m in an(gateway).models.list()] == [MODELS["anthropic"]]
     r = httpx.get(f"{gateway.url}/v1beta/models", headers={"x-goog-api-key": gateway.key})
     assert r.json()["models"][0]["name"] == f"models/{MODELS['gemini']}"

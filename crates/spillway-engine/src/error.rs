@@ -9,14 +9,24 @@ use http::{HeaderValue, StatusCode, header};
 use spillway_ledger::GatewayClass;
 use spillway_wire::{ErrorKind, Format, RequestError, error_body};
 
+/// A path as an error names it: at most 120 characters of it.
+fn shown_path(path: &str) -> String {
+    match path.char_indices().nth(120) {
+        Some((i, _)) => format!("{}...", &path[..i]),
+        None => path.to_owned(),
+    }
+}
+
 /// A wait as `retry-after` says it: whole seconds, rounded up, never 0 (A8).
 pub fn retry_after_secs(wait: std::time::Duration) -> u64 {
     (wait.as_millis().div_ceil(1000) as u64).max(1)
 }
 
 /// What the gateway serves, for the answer to an unknown path.
-const ENDPOINTS: &str = "POST /v1/chat/completions (OpenAI), POST /v1/messages (Anthropic), \
-    POST /v1beta/models/{model}:generateContent and :streamGenerateContent (Gemini), GET /v1/models, GET /v1beta/models";
+const ENDPOINTS: &str = "POST /v1/chat/completions, /v1/responses and /v1/embeddings (OpenAI); \
+    POST /v1/messages and /v1/messages/count_tokens (Anthropic); POST /v1beta/models/{model}:generateContent, \
+    :streamGenerateContent, :embedContent, :batchEmbedContents and :countTokens (Gemini); \
+    GET /v1/models, /v1/models/{model}, /v1beta/models and /v1beta/models/{model}";
 
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
@@ -89,8 +99,10 @@ pub enum GatewayError {
         "The gateway failed while handling this request; it was recorded. This is a bug in the gateway, not in the request."
     )]
     Internal,
-    #[error("No such endpoint. This gateway serves {ENDPOINTS}.")]
-    NotFound,
+    /// A path no route serves: named (as the URI carries it, percent-encoded, so it is
+    /// printable) so the caller sees which call its SDK made.
+    #[error("No such endpoint: {method} {}. This gateway serves {ENDPOINTS}.", shown_path(.path))]
+    NotFound { method: String, path: String },
     #[error("This endpoint does not accept this method.")]
     MethodNotAllowed,
     /// I2: a malformed `Idempotency-Key` header.
@@ -147,7 +159,7 @@ impl GatewayError {
             GatewayError::IdempotencyInProgress { .. }
             | GatewayError::IdempotencyUnknown { .. }
             | GatewayError::IdempotencyNotKept { .. } => ErrorKind::Conflict,
-            GatewayError::NoChannel { .. } | GatewayError::NotFound => ErrorKind::NotFound,
+            GatewayError::NoChannel { .. } | GatewayError::NotFound { .. } => ErrorKind::NotFound,
             GatewayError::MethodNotAllowed => ErrorKind::MethodNotAllowed,
             GatewayError::CapacityBusy { .. }
             | GatewayError::CapacityQueueFull { .. }
@@ -181,7 +193,7 @@ impl GatewayError {
             GatewayError::IdempotencyInProgress { .. } => GatewayClass::IdempotencyInProgress,
             GatewayError::IdempotencyUnknown { .. } => GatewayClass::IdempotencyUnknown,
             GatewayError::IdempotencyNotKept { .. } => GatewayClass::IdempotencyCompleted,
-            GatewayError::NoChannel { .. } | GatewayError::NotFound | GatewayError::MethodNotAllowed => {
+            GatewayError::NoChannel { .. } | GatewayError::NotFound { .. } | GatewayError::MethodNotAllowed => {
                 GatewayClass::NoChannel
             }
             GatewayError::CapacityBusy { .. } => GatewayClass::CapacityBusy,

@@ -28,10 +28,9 @@ use axum::routing::{get, post};
 use bytes::Bytes;
 use futures_util::FutureExt;
 use http_body_util::{BodyExt, Limited};
-use serde_json::json;
 use sha2::{Digest, Sha256};
 use spillway_ledger::RequestRecord;
-use spillway_wire::{Format, parse_request, request::valid_model_name};
+use spillway_wire::{Api, Format, parse_request, request::valid_model_name};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
@@ -80,28 +79,32 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// The routes, with `caller` making the upstream calls (tests script it).
 pub fn router_with<C: Caller>(state: Arc<AppState>, caller: Arc<C>) -> Router {
-    let c = caller.clone();
-    let openai = move |State(st): State<Arc<AppState>>, req: Request| {
-        let c = c.clone();
-        async move { handle(st, c, Format::OpenAi, None, false, req).await }
+    // One handler per (format, API) of a fixed path; Gemini names both in its path.
+    let fixed = |format: Format, api: Api| {
+        let c = caller.clone();
+        post(move |State(st): State<Arc<AppState>>, req: Request| {
+            let c = c.clone();
+            async move { handle(st, c, format, api, None, false, req).await }
+        })
     };
     let c = caller.clone();
-    let anthropic = move |State(st): State<Arc<AppState>>, req: Request| {
-        let c = c.clone();
-        async move { handle(st, c, Format::Anthropic, None, false, req).await }
-    };
-    let c = caller;
     let gemini = move |State(st): State<Arc<AppState>>, Path(model_action): Path<String>, req: Request| {
         let c = c.clone();
-        async move { gemini_generate(st, c, model_action, req).await }
+        async move { gemini_action(st, c, model_action, req).await }
     };
     Router::new()
-        .route("/v1/chat/completions", post(openai))
-        .route("/v1/messages", post(anthropic))
-        .route("/v1beta/models/{model_action}", post(gemini.clone()))
-        .route("/v1/models/{model_action}", post(gemini))
-        .route("/v1/models", get(list_models))
-        .route("/v1beta/models", get(list_models_gemini))
+        .route("/v1/chat/completions", fixed(Format::OpenAi, Api::Generate))
+        .route("/v1/responses", fixed(Format::OpenAi, Api::Responses))
+        .route("/v1/embeddings", fixed(Format::OpenAi, Api::Embeddings))
+        .route("/v1/messages", fixed(Format::Anthropic, Api::Generate))
+        .route("/v1/messages/count_tokens", fixed(Format::Anthropic, Api::CountTokens))
+        .route(
+            "/v1beta/models/{model_action}",
+            post(gemini.clone()).get(crate::models::gemini_model),
+        )
+        .route("/v1/models/{model_action}", post(gemini).get(crate::models::model))
+        .route("/v1/models", get(crate::models::list))
+        .route("/v1beta/models", get(crate::models::list_gemini))
         .route(
             "/spillway/v1/requests/{id}/side-effect",
             post(crate::idempotency::side_effect_endpoint),
@@ -173,7 +176,8 @@ fn format_for_path(path: &str) -> Format {
     }
 }
 
-/// API paths get a 404 in their format; anything else is the console.
+/// API paths get a 404 in their format, naming what was asked for; anything else is the
+/// console.
 async fn fallback(State(st): State<Arc<AppState>>, method: Method, uri: Uri) -> Response {
     let p = uri.path();
     let api =
@@ -181,22 +185,35 @@ async fn fallback(State(st): State<Arc<AppState>>, method: Method, uri: Uri) -> 
     if !api && (method == Method::GET || method == Method::HEAD) {
         return st.console.serve(p).await;
     }
-    GatewayError::NotFound.into_response(format_for_path(p))
+    GatewayError::NotFound {
+        method: method.to_string(),
+        path: p.to_owned(),
+    }
+    .into_response(format_for_path(p))
 }
 
 async fn method_not_allowed(uri: Uri) -> Response {
     GatewayError::MethodNotAllowed.into_response(format_for_path(uri.path()))
 }
 
-async fn gemini_generate<C: Caller>(st: Arc<AppState>, caller: Arc<C>, model_action: String, req: Request) -> Response {
-    let parsed = model_action.rsplit_once(':').and_then(|(model, action)| match action {
-        "generateContent" => Some((model.to_owned(), false)),
-        "streamGenerateContent" => Some((model.to_owned(), true)),
-        _ => None,
+async fn gemini_action<C: Caller>(st: Arc<AppState>, caller: Arc<C>, model_action: String, req: Request) -> Response {
+    let parsed = model_action.rsplit_once(':').and_then(|(model, action)| {
+        let (api, stream) = match action {
+            "generateContent" => (Api::Generate, false),
+            "streamGenerateContent" => (Api::Generate, true),
+            "embedContent" | "batchEmbedContents" => (Api::Embeddings, false),
+            "countTokens" => (Api::CountTokens, false),
+            _ => return None,
+        };
+        Some((model.to_owned(), api, stream))
     });
     match parsed {
-        Some((model, stream)) => handle(st, caller, Format::Gemini, Some(model), stream, req).await,
-        None => GatewayError::NotFound.into_response(Format::Gemini),
+        Some((model, api, stream)) => handle(st, caller, Format::Gemini, api, Some(model), stream, req).await,
+        None => GatewayError::NotFound {
+            method: req.method().to_string(),
+            path: req.uri().path().to_owned(),
+        }
+        .into_response(Format::Gemini),
     }
 }
 
@@ -246,7 +263,12 @@ pub(crate) fn authenticate(
 
 /// Refused without a ledger row (no valid key, a foreign Host, a ledger refusing writes):
 /// counted and listed, answered in the caller's format.
-fn refuse_without_row(st: &AppState, format: Format, conn: Option<&Arc<ConnState>>, err: GatewayError) -> Response {
+pub(crate) fn refuse_without_row(
+    st: &AppState,
+    format: Format,
+    conn: Option<&Arc<ConnState>>,
+    err: GatewayError,
+) -> Response {
     let reason = match err {
         GatewayError::MissingKey(_) => RejectReason::MissingKey,
         GatewayError::ForbiddenHost => RejectReason::ForbiddenHost,
@@ -271,16 +293,29 @@ fn client_request_id(headers: &HeaderMap) -> Option<String> {
 
 /// The endpoint as the ledger records it: the route, with the Gemini model as a
 /// placeholder (the model is its own column), never the client's raw path.
-fn endpoint(format: Format, path: &str, stream: bool) -> &'static str {
-    match format {
-        Format::OpenAi => "/v1/chat/completions",
-        Format::Anthropic => "/v1/messages",
-        Format::Gemini => match (path.starts_with("/v1beta/"), stream) {
-            (true, false) => "/v1beta/models/{model}:generateContent",
-            (true, true) => "/v1beta/models/{model}:streamGenerateContent",
-            (false, false) => "/v1/models/{model}:generateContent",
-            (false, true) => "/v1/models/{model}:streamGenerateContent",
-        },
+fn endpoint(format: Format, api: Api, path: &str, stream: bool) -> &'static str {
+    match (format, api) {
+        (Format::OpenAi, Api::Responses) => "/v1/responses",
+        (Format::OpenAi, Api::Embeddings) => "/v1/embeddings",
+        (Format::OpenAi, _) => "/v1/chat/completions",
+        (Format::Anthropic, Api::CountTokens) => "/v1/messages/count_tokens",
+        (Format::Anthropic, _) => "/v1/messages",
+        (Format::Gemini, _) => {
+            let beta = path.starts_with("/v1beta/");
+            let batch = path.ends_with(":batchEmbedContents");
+            match (api, stream, batch, beta) {
+                (Api::Embeddings, _, true, true) => "/v1beta/models/{model}:batchEmbedContents",
+                (Api::Embeddings, _, true, false) => "/v1/models/{model}:batchEmbedContents",
+                (Api::Embeddings, _, false, true) => "/v1beta/models/{model}:embedContent",
+                (Api::Embeddings, _, false, false) => "/v1/models/{model}:embedContent",
+                (Api::CountTokens, _, _, true) => "/v1beta/models/{model}:countTokens",
+                (Api::CountTokens, _, _, false) => "/v1/models/{model}:countTokens",
+                (_, false, _, true) => "/v1beta/models/{model}:generateContent",
+                (_, true, _, true) => "/v1beta/models/{model}:streamGenerateContent",
+                (_, false, _, false) => "/v1/models/{model}:generateContent",
+                (_, true, _, false) => "/v1/models/{model}:streamGenerateContent",
+            }
+        }
     }
 }
 
@@ -309,6 +344,7 @@ async fn handle<C: Caller>(
     st: Arc<AppState>,
     caller: Arc<C>,
     format: Format,
+    api: Api,
     path_model: Option<String>,
     path_stream: bool,
     req: Request,
@@ -338,7 +374,7 @@ async fn handle<C: Caller>(
         id,
         trace.trace_id.clone(),
         format,
-        endpoint(format, parts.uri.path(), path_stream),
+        endpoint(format, api, parts.uri.path(), path_stream),
         received_at,
     );
     rec.client_request_id = client_request_id(&parts.headers);
@@ -347,6 +383,7 @@ async fn handle<C: Caller>(
     rec.key_name = Some(key.key.name.clone());
     rec.owner = Some(key.key.owner.clone());
     let mut life = Life::new(st.clone(), rec, conn);
+    life.api = api;
     life.set_trace(&trace);
 
     // Cheap refusals first: nothing of the body has been read yet.
@@ -367,7 +404,10 @@ async fn handle<C: Caller>(
     // From here the request may wait (key room, capacity); a client that hangs up while
     // it waits leaves with nothing sent upstream (C4), and its record says so.
     let deadline = tokio::time::Instant::now() + Duration::from_millis(st.config.total_deadline_ms);
-    match key.limits.acquire(KEY_WAIT).await {
+    // Token counting is free at the providers: it takes from the key's rate only when
+    // the key says so.
+    let rated = api != Api::CountTokens || key.key.rpm_counts_token_counting;
+    match key.limits.acquire(KEY_WAIT, rated).await {
         Ok(slot) => life.hold_key(slot),
         Err(over) => {
             let e = GatewayError::KeyLimited {
@@ -384,7 +424,7 @@ async fn handle<C: Caller>(
     };
     // I6: the prompt itself is not stored, only its hash.
     life.rec.body_sha256 = Some(hex::encode(Sha256::digest(&bytes)));
-    let parsed = match parse_request(format, life.rec.requested_model.as_deref(), path_stream, &bytes) {
+    let parsed = match parse_request(format, api, life.rec.requested_model.as_deref(), path_stream, &bytes) {
         Ok(p) => p,
         Err(e) => return life.close(End::refused(e.into())).await,
     };
@@ -394,7 +434,11 @@ async fn handle<C: Caller>(
     }
     life.rec.requested_model = Some(parsed.model.clone());
     life.rec.stream = parsed.stream;
-    life.rec.endpoint = endpoint(format, parts.uri.path(), parsed.stream).to_owned();
+    life.rec.endpoint = endpoint(format, api, parts.uri.path(), parsed.stream).to_owned();
+    if api == Api::CountTokens {
+        // Providers do not charge for counting: it is never billed (M1).
+        life.rec.cost_usd = Some(0.0);
+    }
     life.rec.route = Some(format!("{format}/{}", parsed.model));
     life.set_route();
     if st.config.store_prompts {
@@ -570,59 +614,6 @@ impl Drop for HangUp {
     fn drop(&mut self) {
         self.0.cancel();
     }
-}
-
-fn models_for(st: &AppState, format: Format) -> Vec<String> {
-    let mut m: Vec<String> = st
-        .channels
-        .iter()
-        .filter(|c| c.cfg.format == format)
-        .flat_map(|c| c.cfg.models.iter().filter(|m| *m != "*").cloned())
-        .collect();
-    m.sort();
-    m.dedup();
-    m
-}
-
-/// `GET /v1/models`: OpenAI's list shape, or Anthropic's when the caller is the Anthropic
-/// SDK (it sends `anthropic-version`).
-async fn list_models(State(st): State<Arc<AppState>>, req: Request) -> Response {
-    let (parts, _) = req.into_parts();
-    let headers = &parts.headers;
-    let format = if headers.contains_key("anthropic-version") || headers.contains_key("x-api-key") {
-        Format::Anthropic
-    } else {
-        Format::OpenAi
-    };
-    let conn = parts.extensions.get::<Arc<ConnState>>();
-    if let Err(e) = authenticate(&st, format, headers, &parts.uri) {
-        return refuse_without_row(&st, format, conn, e);
-    }
-    let models = models_for(&st, format);
-    let body = match format {
-        Format::Anthropic => json!({
-            "data": models.iter().map(|m| json!({"type": "model", "id": m, "display_name": m, "created_at": "2025-01-01T00:00:00Z"})).collect::<Vec<_>>(),
-            "has_more": false, "first_id": models.first(), "last_id": models.last()
-        }),
-        _ => {
-            json!({"object": "list", "data": models.iter().map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "spillway"})).collect::<Vec<_>>()})
-        }
-    };
-    axum::Json(body).into_response()
-}
-
-async fn list_models_gemini(State(st): State<Arc<AppState>>, req: Request) -> Response {
-    let (parts, _) = req.into_parts();
-    let conn = parts.extensions.get::<Arc<ConnState>>();
-    if let Err(e) = authenticate(&st, Format::Gemini, &parts.headers, &parts.uri) {
-        return refuse_without_row(&st, Format::Gemini, conn, e);
-    }
-    let models = models_for(&st, Format::Gemini);
-    axum::Json(
-        json!({"models": models.iter().map(|m| json!({"name": format!("models/{m}"), "displayName": m,
-        "supportedGenerationMethods": ["generateContent", "streamGenerateContent"]})).collect::<Vec<_>>()}),
-    )
-    .into_response()
 }
 
 #[cfg(test)]

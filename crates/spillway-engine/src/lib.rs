@@ -22,6 +22,7 @@ pub mod ingress;
 pub mod life;
 pub mod limits;
 pub mod metrics;
+pub mod models;
 pub mod otel;
 pub mod prom;
 pub mod retry;

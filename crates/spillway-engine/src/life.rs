@@ -120,6 +120,8 @@ pub struct Life {
     capture: Option<Vec<u8>>,
     /// I6: the request body, when the config keeps prompts.
     prompt: Option<Bytes>,
+    /// What the request asks of the provider (chat, Responses, embeddings, counting).
+    pub api: spillway_wire::Api,
 }
 
 impl Life {
@@ -140,6 +142,7 @@ impl Life {
             idem: None,
             capture: None,
             prompt: None,
+            api: spillway_wire::Api::Generate,
         }
     }
 

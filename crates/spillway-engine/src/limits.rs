@@ -40,8 +40,9 @@ impl KeyLimits {
         }
     }
 
-    /// Takes room for one request, waiting at most `max_wait` for it.
-    pub async fn acquire(&self, max_wait: Duration) -> Result<KeySlot, OverLimit> {
+    /// Takes room for one request, waiting at most `max_wait` for it; `rated: false`
+    /// takes a concurrency slot only, not from the rate (token counting, by default).
+    pub async fn acquire(&self, max_wait: Duration, rated: bool) -> Result<KeySlot, OverLimit> {
         let deadline = tokio::time::Instant::now() + max_wait;
         let permit = match &self.concurrency {
             None => None,
@@ -54,7 +55,7 @@ impl KeyLimits {
                 },
             },
         };
-        if let Some(rate) = &self.rate {
+        if let Some(rate) = self.rate.as_ref().filter(|_| rated) {
             // GCRA tells exactly when the next request conforms; a few rounds cover a race
             // with other requests of the same key taking that moment first.
             for _ in 0..8 {
@@ -89,6 +90,7 @@ mod tests {
             owner: "o".into(),
             secret: KeySecret([0; 32]),
             rpm,
+            rpm_counts_token_counting: false,
             max_concurrency,
             spend_limit_usd: None,
         }
@@ -99,7 +101,7 @@ mod tests {
         // spec: B1
         let l = KeyLimits::new(&key(None, None));
         for _ in 0..1000 {
-            assert!(l.acquire(Duration::ZERO).await.is_ok());
+            assert!(l.acquire(Duration::ZERO, true).await.is_ok());
         }
     }
 
@@ -107,16 +109,19 @@ mod tests {
     async fn b2_concurrency_waits_then_refuses() {
         // spec: B2
         let l = KeyLimits::new(&key(None, Some(1)));
-        let held = l.acquire(KEY_WAIT).await.unwrap();
+        let held = l.acquire(KEY_WAIT, true).await.unwrap();
         let started = tokio::time::Instant::now();
-        assert_eq!(l.acquire(KEY_WAIT).await.err(), Some(OverLimit { retry_after_s: 1 }));
+        assert_eq!(
+            l.acquire(KEY_WAIT, true).await.err(),
+            Some(OverLimit { retry_after_s: 1 })
+        );
         assert_eq!(started.elapsed(), KEY_WAIT, "waits exactly the 2 s, then refuses");
         // Room that frees within the wait admits the waiter, the moment it frees.
         let l = Arc::new(l);
         let l2 = l.clone();
         let waiter = tokio::spawn(async move {
             let t = tokio::time::Instant::now();
-            l2.acquire(KEY_WAIT).await.map(|_| t.elapsed())
+            l2.acquire(KEY_WAIT, true).await.map(|_| t.elapsed())
         });
         tokio::time::sleep(Duration::from_millis(700)).await;
         drop(held);
@@ -127,10 +132,24 @@ mod tests {
     async fn b2_rate_refusal_names_the_whole_seconds_to_wait() {
         // spec: B2
         let l = KeyLimits::new(&key(Some(2), None));
-        assert!(l.acquire(Duration::ZERO).await.is_ok());
-        assert!(l.acquire(Duration::ZERO).await.is_ok());
+        assert!(l.acquire(Duration::ZERO, true).await.is_ok());
+        assert!(l.acquire(Duration::ZERO, true).await.is_ok());
         // 2 per minute refill one every 30 s: the third is 30 s away, past the 2 s wait.
-        let e = l.acquire(KEY_WAIT).await.err().unwrap();
+        let e = l.acquire(KEY_WAIT, true).await.err().unwrap();
         assert!((29..=30).contains(&e.retry_after_s), "{e:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn b1_token_counting_takes_no_rate_unless_the_key_says_so() {
+        // spec: B1
+        let l = KeyLimits::new(&key(Some(1), None));
+        assert!(l.acquire(Duration::ZERO, true).await.is_ok());
+        for _ in 0..5 {
+            assert!(
+                l.acquire(Duration::ZERO, false).await.is_ok(),
+                "counting took from the rate"
+            );
+        }
+        assert!(l.acquire(Duration::ZERO, true).await.is_err());
     }
 }

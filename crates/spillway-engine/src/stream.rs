@@ -12,7 +12,7 @@ use http::HeaderValue;
 use serde_json::Value;
 use spillway_ledger::AttemptRecord;
 use spillway_wire::{
-    ErrorClass, ErrorKind, Format, Signal, SseEvent, SseParser, UnixMs, Usage, classify_stream_error,
+    Api, ErrorClass, ErrorKind, Format, Signal, SseEvent, SseParser, UnixMs, Usage, classify_stream_error,
     stream_error_event,
 };
 use std::collections::VecDeque;
@@ -85,6 +85,20 @@ pub fn carries_output(format: Format, ev: &SseEvent, json: Option<&Value>) -> bo
                 .is_some_and(|t| t != "text" && t != "thinking"),
             _ => false,
         },
+        // The Responses API: text or a refusal as it comes, a tool call from its start.
+        Format::OpenAi if json.and_then(|v| v.get("type")).is_some() => {
+            let v = json.unwrap_or(&Value::Null);
+            match v.get("type").and_then(Value::as_str).unwrap_or_default() {
+                "response.output_text.delta" | "response.refusal.delta" => {
+                    v.get("delta").and_then(Value::as_str).is_some_and(|d| !d.is_empty())
+                }
+                "response.output_item.added" => v
+                    .pointer("/item/type")
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| t != "message" && t != "reasoning"),
+                _ => false,
+            }
+        }
         Format::OpenAi => json.and_then(|v| v.pointer("/choices/0/delta")).is_some_and(|d| {
             d.get("content").and_then(Value::as_str).is_some_and(|s| !s.is_empty())
                 || d.get("tool_calls").is_some_and(|t| !t.is_null())
@@ -100,7 +114,14 @@ pub fn carries_output(format: Format, ev: &SseEvent, json: Option<&Value>) -> bo
 /// An in-stream error the provider sent as an event (Anthropic `event: error`, an
 /// OpenAI/Gemini data line with an `error` object): the error object.
 fn stream_error<'a>(ev: &SseEvent, json: Option<&'a Value>) -> Option<&'a Value> {
-    let err = json?.get("error")?;
+    let json = json?;
+    // The Responses API: an `error` event is the error itself; a failed response nests it.
+    match json.get("type").and_then(Value::as_str) {
+        Some("error") if json.get("error").is_none() => return Some(json),
+        Some("response.failed") => return json.pointer("/response/error").filter(|e| e.is_object()),
+        _ => {}
+    }
+    let err = json.get("error")?;
     if ev.event.as_deref().is_some_and(|e| e != "error") {
         return None;
     }
@@ -242,6 +263,7 @@ pub struct StreamBody {
     /// The gateway's shutdown past its drain deadline.
     cancel: Pin<Box<WaitForCancellationFutureOwned>>,
     format: Format,
+    api: Api,
     request_id: String,
 }
 
@@ -252,6 +274,7 @@ impl StreamBody {
         let cancel = Box::pin(life.st().shutdown.cancel.clone().cancelled_owned());
         let write_timeout = Duration::from_millis(life.st().config.server.write_timeout_ms);
         let format = primed.watch.format;
+        let api = life.api;
         let request_id = life.rec.id.clone();
         let shared = std::sync::Arc::new(Shared {
             active: std::sync::Mutex::new(Some(Active { primed, life })),
@@ -265,6 +288,7 @@ impl StreamBody {
             idle_timeout,
             cancel,
             format,
+            api,
             request_id,
         }
     }
@@ -272,6 +296,7 @@ impl StreamBody {
     fn error_event(&self, message: &str) -> Bytes {
         Bytes::from(stream_error_event(
             self.format,
+            self.api,
             ErrorKind::Upstream,
             message,
             &self.request_id,

@@ -200,6 +200,9 @@ struct RawKey {
     generate_if_unset: Option<S<bool>>,
     #[serde(default)]
     rpm: Option<S<u32>>,
+    /// Token counting (free at the providers) takes from `rpm` too; off by default.
+    #[serde(default)]
+    rpm_counts_token_counting: Option<S<bool>>,
     #[serde(default)]
     max_concurrency: Option<S<u32>>,
     #[serde(default)]
@@ -477,6 +480,8 @@ pub struct Key {
     pub owner: String,
     pub secret: KeySecret,
     pub rpm: Option<u32>,
+    /// Whether token-counting calls take from `rpm` (they never do unless set).
+    pub rpm_counts_token_counting: bool,
     pub max_concurrency: Option<u32>,
     pub spend_limit_usd: Option<f64>,
 }
@@ -1107,6 +1112,7 @@ impl RawConfig {
                     owner: k.owner.value.clone(),
                     secret,
                     rpm: k.rpm.as_ref().map(|v| v.value),
+                    rpm_counts_token_counting: k.rpm_counts_token_counting.as_ref().is_some_and(|v| v.value),
                     max_concurrency: k.max_concurrency.as_ref().map(|v| v.value),
                     spend_limit_usd: k.spend_limit_usd.as_ref().map(|v| v.value),
                 });

@@ -2,7 +2,7 @@
 
 use serde_json::{Value, json};
 use spillway_policy::sim::{ErrorFlavor, RateLimitHeaders};
-use spillway_wire::Format;
+use spillway_wire::{Api, Format};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 const WORDS: &[&str] = &[
@@ -176,6 +176,115 @@ pub fn stream(format: Format, model: &str, prompt_tokens: u64, n: u32, include_u
             }
         }
     }
+}
+
+/// A small deterministic vector for the `i`th input (the simulator's "embedding").
+fn vector(i: usize) -> Vec<f64> {
+    (0..8).map(|d| (((i * 31 + d * 7) % 17) as f64 - 8.0) / 8.0).collect()
+}
+
+/// The answer of an endpoint that never streams (embeddings, token counting).
+pub fn plain(format: Format, api: Api, model: &str, prompt_tokens: u64, request: &Value) -> Value {
+    match (format, api) {
+        (Format::OpenAi, Api::Embeddings) => {
+            let inputs = request.get("input").and_then(Value::as_array).map_or(1, Vec::len);
+            json!({"object": "list", "model": model,
+                "data": (0..inputs).map(|i| json!({"object": "embedding", "index": i, "embedding": vector(i)})).collect::<Vec<_>>(),
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
+        }
+        (Format::Gemini, Api::Embeddings) => match request.get("requests").and_then(Value::as_array) {
+            Some(reqs) => {
+                json!({"embeddings": (0..reqs.len()).map(|i| json!({"values": vector(i)})).collect::<Vec<_>>()})
+            }
+            None => json!({"embedding": {"values": vector(0)}}),
+        },
+        (Format::Gemini, _) => json!({"totalTokens": prompt_tokens}),
+        _ => json!({"input_tokens": prompt_tokens}),
+    }
+}
+
+fn response_object(rid: &str, model: &str, status: &str, output: Value, usage: Value) -> Value {
+    json!({"id": rid, "object": "response", "created_at": now_s(), "status": status, "model": model,
+        "output": output, "parallel_tool_calls": true, "tool_choice": "auto", "tools": [],
+        "text": {"format": {"type": "text"}}, "usage": usage, "error": null, "incomplete_details": null})
+}
+
+fn message_item(mid: &str, status: &str, text: &str) -> Value {
+    json!({"type": "message", "id": mid, "status": status, "role": "assistant",
+        "content": if text.is_empty() && status == "in_progress" { json!([]) } else {
+            json!([{"type": "output_text", "text": text, "annotations": []}]) }})
+}
+
+fn responses_usage(prompt_tokens: u64, n: u64) -> Value {
+    json!({"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt_tokens + n})
+}
+
+/// OpenAI's Responses API, whole.
+pub fn responses_body(model: &str, prompt_tokens: u64, n: u32, rid: &str) -> Value {
+    let output = json!([message_item(&id("msg_"), "completed", &text(n))]);
+    response_object(
+        rid,
+        model,
+        "completed",
+        output,
+        responses_usage(prompt_tokens, u64::from(n)),
+    )
+}
+
+/// OpenAI's Responses API, as its typed event stream.
+pub fn responses_stream(model: &str, prompt_tokens: u64, n: u32, rid: &str) -> StreamPlan {
+    let mid = id("msg_");
+    let seq = std::cell::Cell::new(0u64);
+    let ev = |name: &str, mut v: Value| {
+        v["type"] = json!(name);
+        v["sequence_number"] = json!(seq.get());
+        seq.set(seq.get() + 1);
+        event(name, v)
+    };
+    let pending = response_object(rid, model, "in_progress", json!([]), Value::Null);
+    let head = vec![
+        ev("response.created", json!({"response": pending})),
+        ev("response.in_progress", json!({"response": pending})),
+        ev(
+            "response.output_item.added",
+            json!({"output_index": 0, "item": message_item(&mid, "in_progress", "")}),
+        ),
+        ev(
+            "response.content_part.added",
+            json!({"item_id": mid, "output_index": 0, "content_index": 0,
+            "part": {"type": "output_text", "text": "", "annotations": []}}),
+        ),
+    ];
+    let tokens = (0..n)
+        .map(|i| {
+            ev(
+                "response.output_text.delta",
+                json!({"item_id": mid, "output_index": 0, "content_index": 0,
+            "delta": token(i), "logprobs": []}),
+            )
+        })
+        .collect();
+    let t = text(n);
+    let done = message_item(&mid, "completed", &t);
+    let tail = vec![
+        ev(
+            "response.output_text.done",
+            json!({"item_id": mid, "output_index": 0, "content_index": 0, "text": t, "logprobs": []}),
+        ),
+        ev(
+            "response.content_part.done",
+            json!({"item_id": mid, "output_index": 0, "content_index": 0,
+            "part": {"type": "output_text", "text": t, "annotations": []}}),
+        ),
+        ev("response.output_item.done", json!({"output_index": 0, "item": done})),
+        ev(
+            "response.completed",
+            json!({"response": response_object(rid, model, "completed", json!([done]),
+            responses_usage(prompt_tokens, u64::from(n)))}),
+        ),
+    ];
+    StreamPlan { head, tokens, tail }
 }
 
 /// Status and JSON body of an error in `format`'s shape.

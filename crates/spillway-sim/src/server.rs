@@ -10,7 +10,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use serde_json::{Value, json};
 use spillway_policy::sim::{Behavior, ErrorFlavor, Fault, Scenario};
-use spillway_wire::Format;
+use spillway_wire::{Api, Format};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -176,6 +176,7 @@ impl Drop for InFlight {
 enum Endpoint {
     Generate {
         format: Format,
+        api: Api,
         model: Option<String>,
         stream_from_path: bool,
         gemini_sse: bool,
@@ -190,31 +191,36 @@ fn endpoint(method: &Method, rest: &str, query: &str) -> Option<Endpoint> {
     if method != Method::POST {
         return None;
     }
+    let fixed = |format, api| {
+        Some(Endpoint::Generate {
+            format,
+            api,
+            model: None,
+            stream_from_path: false,
+            gemini_sse: false,
+        })
+    };
     match rest {
-        "/v1/chat/completions" => Some(Endpoint::Generate {
-            format: Format::OpenAi,
-            model: None,
-            stream_from_path: false,
-            gemini_sse: false,
-        }),
-        "/v1/messages" => Some(Endpoint::Generate {
-            format: Format::Anthropic,
-            model: None,
-            stream_from_path: false,
-            gemini_sse: false,
-        }),
+        "/v1/chat/completions" => fixed(Format::OpenAi, Api::Generate),
+        "/v1/responses" => fixed(Format::OpenAi, Api::Responses),
+        "/v1/embeddings" => fixed(Format::OpenAi, Api::Embeddings),
+        "/v1/messages" => fixed(Format::Anthropic, Api::Generate),
+        "/v1/messages/count_tokens" => fixed(Format::Anthropic, Api::CountTokens),
         _ => {
             let tail = rest
                 .strip_prefix("/v1beta/models/")
                 .or_else(|| rest.strip_prefix("/v1/models/"))?;
             let (model, action) = tail.rsplit_once(':')?;
-            let stream = match action {
-                "generateContent" => false,
-                "streamGenerateContent" => true,
+            let (api, stream) = match action {
+                "generateContent" => (Api::Generate, false),
+                "streamGenerateContent" => (Api::Generate, true),
+                "embedContent" | "batchEmbedContents" => (Api::Embeddings, false),
+                "countTokens" => (Api::CountTokens, false),
                 _ => return None,
             };
             Some(Endpoint::Generate {
                 format: Format::Gemini,
+                api,
                 model: Some(model.to_owned()),
                 stream_from_path: stream,
                 gemini_sse: query.split('&').any(|kv| kv == "alt=sse"),
@@ -295,6 +301,7 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
 
     let Endpoint::Generate {
         format,
+        api,
         model,
         stream_from_path,
         gemini_sse,
@@ -384,16 +391,33 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
     }
 
     let n = behavior.output_tokens;
+    let rid = responses::id("resp_");
+    if !matches!(api, Api::Generate | Api::Responses) {
+        drop(guard);
+        let v = responses::plain(format, api, &model, prompt_tokens, &parsed);
+        return Ok(builder
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(v.to_string()))
+            .unwrap_or_default());
+    }
     if !stream {
         drop(guard);
-        let v = responses::body(format, &model, prompt_tokens, n);
+        let v = if api == Api::Responses {
+            responses::responses_body(&model, prompt_tokens, n, &rid)
+        } else {
+            responses::body(format, &model, prompt_tokens, n)
+        };
         return Ok(builder
             .header(header::CONTENT_TYPE, "application/json")
             .body(Body::from(v.to_string()))
             .unwrap_or_default());
     }
 
-    let plan = responses::stream(format, &model, prompt_tokens, n, include_usage);
+    let plan = if api == Api::Responses {
+        responses::responses_stream(&model, prompt_tokens, n, &rid)
+    } else {
+        responses::stream(format, &model, prompt_tokens, n, include_usage)
+    };
     if format == Format::Gemini && !gemini_sse {
         // Without alt=sse Gemini streams one JSON array.
         drop(guard);

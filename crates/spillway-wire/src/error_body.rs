@@ -2,7 +2,7 @@
 //! through [`error_body`], so the mapping of kind to status and provider vocabulary lives
 //! in this one table.
 
-use crate::Format;
+use crate::{Api, Format};
 use serde_json::json;
 
 /// What went wrong, as the client should understand it. Each kind has one HTTP status and
@@ -158,9 +158,15 @@ pub fn error_body(format: Format, kind: ErrorKind, message: &str, param: Option<
 
 /// The in-stream error event that ends a stream which already delivered output (H2): an
 /// SSE frame the caller's SDK raises as an API error, carrying the gateway request id.
-pub fn stream_error_event(format: Format, kind: ErrorKind, message: &str, request_id: &str) -> Vec<u8> {
+/// A Responses API stream gets that API's own `error` event (`type`, `code`, `message`).
+pub fn stream_error_event(format: Format, api: Api, kind: ErrorKind, message: &str, request_id: &str) -> Vec<u8> {
     let message = format!("{message} (request id {request_id})");
     match format {
+        Format::OpenAi if api == Api::Responses => {
+            let (kind_type, code) = kind.openai();
+            let body = json!({"type": "error", "code": code.unwrap_or(kind_type), "message": message, "param": null});
+            format!("event: error\ndata: {body}\n\n").into_bytes()
+        }
         Format::Anthropic => {
             let body = json!({"type": "error", "error": {"type": kind.anthropic(), "message": message}});
             format!("event: error\ndata: {body}\n\n").into_bytes()
@@ -264,6 +270,7 @@ mod tests {
     fn stream_error_event_is_one_sse_frame_with_request_id() {
         let e = String::from_utf8(stream_error_event(
             Format::Anthropic,
+            Api::Generate,
             ErrorKind::Upstream,
             "cut",
             "req-1",
@@ -272,8 +279,26 @@ mod tests {
         assert!(e.starts_with("event: error\ndata: {"));
         assert!(e.ends_with("\n\n"));
         assert!(e.contains("req-1"));
-        let o = String::from_utf8(stream_error_event(Format::OpenAi, ErrorKind::Upstream, "cut", "req-2")).unwrap();
+        let o = String::from_utf8(stream_error_event(
+            Format::OpenAi,
+            Api::Generate,
+            ErrorKind::Upstream,
+            "cut",
+            "req-2",
+        ))
+        .unwrap();
         assert!(o.starts_with("data: {\"error\""));
         assert!(o.contains("req-2"));
+        // spec: H2
+        // The Responses API's own `error` event, which its SDKs hand over as a typed event.
+        let r = stream_error_event(Format::OpenAi, Api::Responses, ErrorKind::Upstream, "cut", "req-3");
+        let r = String::from_utf8(r).unwrap();
+        let data: serde_json::Value =
+            serde_json::from_str(r.strip_prefix("event: error\ndata: ").unwrap().trim()).unwrap();
+        assert_eq!(data["type"], "error");
+        assert!(
+            data["code"].is_string() && data["message"].as_str().unwrap().contains("req-3"),
+            "{data}"
+        );
     }
 }

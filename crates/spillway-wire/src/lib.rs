@@ -13,7 +13,7 @@ pub mod usage;
 
 pub use error_body::{ErrorKind, error_body, stream_error_event};
 pub use format::Format;
-pub use request::{ParsedRequest, RequestError, parse_request};
+pub use request::{Api, ParsedRequest, RequestError, parse_request};
 pub use signal::{
     ErrorClass, RateLimitState, Signal, Visibility, classify_parsed, classify_stream_error, parse_retry_after,
     rate_limit_state,

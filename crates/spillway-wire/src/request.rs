@@ -3,8 +3,37 @@
 //! body itself is forwarded byte for byte; nothing here re-serialises it.
 
 use crate::Format;
-use serde::Deserialize;
 use serde::de::IgnoredAny;
+use serde::{Deserialize, Serialize};
+
+/// What a request asks of the provider. Each format serves several: the gateway admits,
+/// routes, retries and records them all alike, and only what differs is told apart here.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "ts", derive(ts_rs::TS))]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// A model's answer: OpenAI chat completions, Anthropic messages, Gemini
+    /// `generateContent` and `streamGenerateContent`.
+    Generate,
+    /// OpenAI's Responses API (`POST /v1/responses`).
+    Responses,
+    /// Vectors for text: OpenAI `/v1/embeddings`, Gemini `embedContent` and
+    /// `batchEmbedContents`.
+    Embeddings,
+    /// Anthropic `/v1/messages/count_tokens`, Gemini `countTokens`: free, never billed.
+    CountTokens,
+}
+
+impl Api {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Generate => "generate",
+            Api::Responses => "responses",
+            Api::Embeddings => "embeddings",
+            Api::CountTokens => "count_tokens",
+        }
+    }
+}
 
 /// What the gateway needs to know about a valid request.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -130,6 +159,57 @@ struct AnthropicMessages {
     max_tokens: u64,
     #[serde(default)]
     stream: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct OpenAiResponses {
+    model: String,
+    /// A string or a list of input items (absent with a stored prompt template).
+    #[serde(default)]
+    input: Option<ResponsesInput>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    max_output_tokens: Option<u64>,
+    #[serde(default)]
+    previous_response_id: Option<String>,
+}
+
+/// Responses `input`: a string, or a list of items hashed like a message list.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ResponsesInput {
+    Text(String),
+    Items(Messages),
+}
+
+#[derive(Deserialize)]
+struct OpenAiEmbeddings {
+    model: String,
+    input: EmbeddingInput,
+}
+
+/// Embeddings `input`: a string, a list of strings, or token arrays; never empty.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum EmbeddingInput {
+    Text(String),
+    Many(Vec<serde::de::IgnoredAny>),
+}
+
+#[derive(Deserialize)]
+struct AnthropicCountTokens {
+    model: String,
+    messages: Messages,
+}
+
+/// `embedContent` sends one `content`, `batchEmbedContents` a list of `requests`.
+#[derive(Deserialize)]
+struct GeminiEmbed {
+    #[serde(default)]
+    content: Option<IgnoredAny>,
+    #[serde(default)]
+    requests: Option<Vec<IgnoredAny>>,
 }
 
 #[derive(Deserialize)]
@@ -269,18 +349,29 @@ pub fn valid_model_name(model: &str) -> bool {
         && !model.contains("..")
 }
 
-/// Validates a request body of `format`. For Gemini the model and the streaming flag come
-/// from the URL, so the caller passes them.
+/// Validates a request body of `format` for `api`. For Gemini the model and the
+/// streaming flag come from the URL, so the caller passes them.
 pub fn parse_request(
     format: Format,
+    api: Api,
     path_model: Option<&str>,
     path_stream: bool,
     body: &[u8],
 ) -> Result<ParsedRequest, RequestError> {
     require_object(body)?;
     let estimated_input_tokens = (body.len() as u64).div_ceil(4);
-    let parsed = match format {
-        Format::OpenAi => {
+    let plain = |model: String| ParsedRequest {
+        model,
+        stream: false,
+        include_usage: true,
+        max_output_tokens: None,
+        estimated_input_tokens,
+        conversation: 0,
+        continuation: false,
+    };
+    let gemini_model = || path_model.unwrap_or_default().to_owned();
+    let parsed = match (format, api) {
+        (Format::OpenAi, Api::Generate) => {
             let r: OpenAiChat = decode(body)?;
             non_empty("messages", r.messages.len)?;
             ParsedRequest {
@@ -293,7 +384,45 @@ pub fn parse_request(
                 continuation: r.messages.more,
             }
         }
-        Format::Anthropic => {
+        (Format::OpenAi, Api::Responses) => {
+            let r: OpenAiResponses = decode(body)?;
+            let (conversation, continuation) = match &r.input {
+                Some(ResponsesInput::Items(m)) => {
+                    non_empty("input", m.len)?;
+                    (m.opening, m.more)
+                }
+                Some(ResponsesInput::Text(t)) => {
+                    use std::hash::{Hash, Hasher};
+                    let mut h = std::collections::hash_map::DefaultHasher::new();
+                    t.hash(&mut h);
+                    (h.finish(), false)
+                }
+                None => (0, false),
+            };
+            ParsedRequest {
+                model: r.model,
+                stream: r.stream.unwrap_or(false),
+                // Responses streams always end with their usage (`response.completed`).
+                include_usage: true,
+                max_output_tokens: r.max_output_tokens,
+                estimated_input_tokens,
+                conversation,
+                // A turn that names the response it follows continues a conversation.
+                continuation: continuation || r.previous_response_id.is_some(),
+            }
+        }
+        (Format::OpenAi, Api::Embeddings) => {
+            let r: OpenAiEmbeddings = decode(body)?;
+            match r.input {
+                EmbeddingInput::Text(t) if t.is_empty() => {
+                    return Err(RequestError::new(Some("input"), "must not be empty"));
+                }
+                EmbeddingInput::Many(v) => non_empty("input", v.len())?,
+                EmbeddingInput::Text(_) => {}
+            }
+            plain(r.model)
+        }
+        (Format::Anthropic, Api::Generate) => {
             let r: AnthropicMessages = decode(body)?;
             non_empty("messages", r.messages.len)?;
             if r.max_tokens == 0 {
@@ -309,11 +438,16 @@ pub fn parse_request(
                 continuation: r.messages.more,
             }
         }
-        Format::Gemini => {
+        (Format::Anthropic, Api::CountTokens) => {
+            let r: AnthropicCountTokens = decode(body)?;
+            non_empty("messages", r.messages.len)?;
+            plain(r.model)
+        }
+        (Format::Gemini, Api::Generate) => {
             let r: GeminiGenerate = decode(body)?;
             non_empty("contents", r.contents.len)?;
             ParsedRequest {
-                model: path_model.unwrap_or_default().to_owned(),
+                model: gemini_model(),
                 stream: path_stream,
                 include_usage: true,
                 max_output_tokens: r.generation_config.and_then(|g| g.max_output_tokens),
@@ -321,6 +455,25 @@ pub fn parse_request(
                 conversation: r.contents.opening,
                 continuation: r.contents.more,
             }
+        }
+        (Format::Gemini, Api::Embeddings) => {
+            let r: GeminiEmbed = decode(body)?;
+            match (r.content, r.requests) {
+                (_, Some(reqs)) => non_empty("requests", reqs.len())?,
+                (Some(_), None) => {}
+                (None, None) => return Err(RequestError::new(Some("content"), "is required")),
+            }
+            plain(gemini_model())
+        }
+        (Format::Gemini, Api::CountTokens) => {
+            let _: serde::de::IgnoredAny = decode(body)?;
+            plain(gemini_model())
+        }
+        (format, api) => {
+            return Err(RequestError::new(
+                None,
+                format!("the {format} format has no {} endpoint", api.as_str()),
+            ));
         }
     };
     if !valid_model_name(&parsed.model) {
@@ -334,10 +487,88 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a5_every_api_of_every_format_names_its_missing_or_empty_field() {
+        // spec: A5
+        let ok = |f, api, model: Option<&str>, body: &str| {
+            parse_request(f, api, model, false, body.as_bytes()).unwrap_or_else(|e| panic!("{body}: {e}"))
+        };
+        let r = ok(
+            Format::OpenAi,
+            Api::Responses,
+            None,
+            r#"{"model":"gpt-4o-mini","input":"hi","stream":true}"#,
+        );
+        assert!(r.stream && r.include_usage && !r.continuation);
+        let r = ok(
+            Format::OpenAi,
+            Api::Responses,
+            None,
+            r#"{"model":"gpt-4o-mini","input":"and then?","previous_response_id":"resp_1"}"#,
+        );
+        assert!(
+            r.continuation,
+            "a turn after a stored response continues its conversation"
+        );
+        assert_eq!(
+            ok(
+                Format::OpenAi,
+                Api::Embeddings,
+                None,
+                r#"{"model":"e","input":["a","b"]}"#
+            )
+            .model,
+            "e"
+        );
+        ok(
+            Format::Anthropic,
+            Api::CountTokens,
+            None,
+            r#"{"model":"c","messages":[{"role":"user","content":"x"}]}"#,
+        );
+        assert_eq!(
+            ok(
+                Format::Gemini,
+                Api::Embeddings,
+                Some("g"),
+                r#"{"content":{"parts":[]}}"#
+            )
+            .model,
+            "g"
+        );
+        ok(
+            Format::Gemini,
+            Api::Embeddings,
+            Some("g"),
+            r#"{"requests":[{"content":{}}]}"#,
+        );
+        ok(Format::Gemini, Api::CountTokens, Some("g"), r#"{"contents":[]}"#);
+        let bad = [
+            (Format::OpenAi, Api::Responses, r#"{"input":"x"}"#, "model"),
+            (Format::OpenAi, Api::Embeddings, r#"{"model":"e","input":[]}"#, "input"),
+            (Format::OpenAi, Api::Embeddings, r#"{"model":"e","input":""}"#, "input"),
+            (Format::OpenAi, Api::Embeddings, r#"{"model":"e"}"#, "input"),
+            (
+                Format::Anthropic,
+                Api::CountTokens,
+                r#"{"model":"c","messages":[]}"#,
+                "messages",
+            ),
+            (Format::Gemini, Api::Embeddings, r#"{}"#, "content"),
+            (Format::Gemini, Api::Embeddings, r#"{"requests":[]}"#, "requests"),
+        ];
+        for (f, api, body, field) in bad {
+            let e = parse_request(f, api, Some("g"), false, body.as_bytes()).unwrap_err();
+            assert_eq!(e.field.as_deref(), Some(field), "{body}: {e}");
+        }
+        let e = parse_request(Format::Anthropic, Api::Embeddings, None, false, b"{}").unwrap_err();
+        assert!(e.to_string().contains("no embeddings endpoint"), "{e}");
+    }
+
+    #[test]
     fn d4_a_conversation_hashes_the_same_on_every_turn() {
         // spec: D4
         let conv = |f: Format, body: &str| {
-            parse_request(f, Some("g"), false, body.as_bytes())
+            parse_request(f, Api::Generate, Some("g"), false, body.as_bytes())
                 .unwrap()
                 .conversation
         };
@@ -349,7 +580,7 @@ mod tests {
         let turn2 = format!(r#"{{"model":"m","messages":[{sys},{u1},{a1},{u2}]}}"#);
         assert_eq!(conv(Format::OpenAi, &turn1), conv(Format::OpenAi, &turn2));
         let cont = |body: &str| {
-            parse_request(Format::OpenAi, None, false, body.as_bytes())
+            parse_request(Format::OpenAi, Api::Generate, None, false, body.as_bytes())
                 .unwrap()
                 .continuation
         };
@@ -370,19 +601,20 @@ mod tests {
     }
 
     fn err(format: Format, body: &str) -> RequestError {
-        parse_request(format, Some("gemini-2.5-flash"), false, body.as_bytes()).unwrap_err()
+        parse_request(format, Api::Generate, Some("gemini-2.5-flash"), false, body.as_bytes()).unwrap_err()
     }
 
     #[test]
     fn a5_valid_requests_parse() {
         // spec: A5
-        let r = parse_request(Format::OpenAi, None, false,
+        let r = parse_request(Format::OpenAi, Api::Generate, None, false,
             br#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":{"include_usage":true},"max_tokens":5}"#).unwrap();
         assert_eq!(r.model, "gpt-4o-mini");
         assert!(r.stream && r.include_usage);
         assert_eq!(r.max_output_tokens, Some(5));
         let r = parse_request(
             Format::Anthropic,
+            Api::Generate,
             None,
             false,
             br#"{"model":"claude-haiku-4-5","max_tokens":10,"messages":[{"role":"user","content":"hi"}]}"#,
@@ -391,6 +623,7 @@ mod tests {
         assert!(!r.stream);
         let r = parse_request(
             Format::Gemini,
+            Api::Generate,
             Some("gemini-2.5-flash"),
             true,
             br#"{"contents":[{"parts":[{"text":"hi"}]}]}"#,
@@ -437,17 +670,26 @@ mod tests {
     fn a5_one_utf8_json_value_and_nothing_after_it() {
         // spec: A5
         let ok = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
-        assert!(parse_request(Format::OpenAi, None, false, ok.as_bytes()).is_ok());
-        assert!(parse_request(Format::OpenAi, None, false, format!("{ok} \n\t").as_bytes()).is_ok());
+        assert!(parse_request(Format::OpenAi, Api::Generate, None, false, ok.as_bytes()).is_ok());
+        assert!(
+            parse_request(
+                Format::OpenAi,
+                Api::Generate,
+                None,
+                false,
+                format!("{ok} \n\t").as_bytes()
+            )
+            .is_ok()
+        );
         for trailing in [format!("{ok}{ok}"), format!("{ok} x"), format!("{ok}]")] {
-            let e = parse_request(Format::OpenAi, None, false, trailing.as_bytes()).unwrap_err();
+            let e = parse_request(Format::OpenAi, Api::Generate, None, false, trailing.as_bytes()).unwrap_err();
             assert!(e.message.contains("exactly one JSON value"), "{e}");
         }
         // Invalid UTF-8, even inside a value the gateway never reads.
         let mut bad = br#"{"model":"m","messages":[{"role":"user","content":""#.to_vec();
         bad.extend_from_slice(&[0xff, 0xfe]);
         bad.extend_from_slice(br#""}]}"#);
-        let e = parse_request(Format::OpenAi, None, false, &bad).unwrap_err();
+        let e = parse_request(Format::OpenAi, Api::Generate, None, false, &bad).unwrap_err();
         assert!(
             e.message.contains("not valid UTF-8") && e.message.contains("offset 51"),
             "{e}"
@@ -485,7 +727,7 @@ mod tests {
                 "model",
             ),
         ] {
-            let e = parse_request(format, Some("m"), false, body.as_bytes()).unwrap_err();
+            let e = parse_request(format, Api::Generate, Some("m"), false, body.as_bytes()).unwrap_err();
             assert_eq!(e.field.as_deref(), Some(field), "{e}");
             assert!(!e.to_string().contains("sk-live"), "{e}");
             assert!(
@@ -514,13 +756,13 @@ mod tests {
         let valid = br#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
         for f in Format::ALL {
             for i in 0..=valid.len() {
-                let _ = parse_request(f, Some("m"), false, &valid[..i]);
+                let _ = parse_request(f, Api::Generate, Some("m"), false, &valid[..i]);
             }
             for seed in 0u32..500 {
                 let noise: Vec<u8> = (0..(seed % 40))
                     .map(|i| (seed.wrapping_mul(2654435761).wrapping_add(i * 97) >> 3) as u8)
                     .collect();
-                let _ = parse_request(f, Some("m"), false, &noise);
+                let _ = parse_request(f, Api::Generate, Some("m"), false, &noise);
             }
         }
     }

@@ -48,13 +48,21 @@ impl Usage {
     /// Usage from a non-streaming response body, or from one stream event's JSON.
     pub fn from_json(format: Format, v: &Value) -> Usage {
         match format {
-            Format::OpenAi => match v.get("usage") {
+            // Chat completions and embeddings name their counts `prompt_`/`completion_`;
+            // the Responses API `input_`/`output_`, and its stream nests the response
+            // (`response.completed`).
+            Format::OpenAi => match v
+                .get("usage")
+                .or_else(|| v.get("response").and_then(|r| r.get("usage")))
+            {
                 Some(us) if us.is_object() => Usage {
-                    input_tokens: u(us, &["prompt_tokens"]),
-                    output_tokens: u(us, &["completion_tokens"]),
-                    cached_input_tokens: u(us, &["prompt_tokens_details", "cached_tokens"]),
+                    input_tokens: u(us, &["prompt_tokens"]).or_else(|| u(us, &["input_tokens"])),
+                    output_tokens: u(us, &["completion_tokens"]).or_else(|| u(us, &["output_tokens"])),
+                    cached_input_tokens: u(us, &["prompt_tokens_details", "cached_tokens"])
+                        .or_else(|| u(us, &["input_tokens_details", "cached_tokens"])),
                     cache_creation_tokens: None,
-                    reasoning_tokens: u(us, &["completion_tokens_details", "reasoning_tokens"]),
+                    reasoning_tokens: u(us, &["completion_tokens_details", "reasoning_tokens"])
+                        .or_else(|| u(us, &["output_tokens_details", "reasoning_tokens"])),
                 },
                 _ => Usage::default(),
             },
@@ -93,6 +101,29 @@ impl Usage {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn m2_usage_of_the_responses_api_and_embeddings() {
+        // spec: M2
+        let whole = json!({"usage":{"input_tokens":12,"input_tokens_details":{"cached_tokens":3},
+            "output_tokens":7,"output_tokens_details":{"reasoning_tokens":2},"total_tokens":19}});
+        let streamed = json!({"type":"response.completed","response":whole});
+        for v in [whole.clone(), streamed] {
+            let u = Usage::from_json(Format::OpenAi, &v);
+            assert_eq!(
+                (
+                    u.input_tokens,
+                    u.output_tokens,
+                    u.cached_input_tokens,
+                    u.reasoning_tokens
+                ),
+                (Some(12), Some(7), Some(3), Some(2)),
+                "{v}"
+            );
+        }
+        let e = Usage::from_json(Format::OpenAi, &json!({"usage":{"prompt_tokens":8,"total_tokens":8}}));
+        assert_eq!((e.input_tokens, e.output_tokens), (Some(8), None));
+    }
 
     #[test]
     fn m2_usage_per_format() {
