@@ -76,6 +76,39 @@ def test_responses_stream_cut_after_output_is_an_error_event_not_a_failover(gate
     assert (row["state"], row["partial_output_committed"]) == ("failed", 1)
 
 
+def test_stored_responses_are_followed_up_on_the_channel_that_stored_them(gateway_factory):
+    # spec: D4, I1
+    gw = gateway_factory(group=2)
+    a, b = gw.groups["openai"]
+    # The first channel (the preferred one) fails: the response is stored on the second.
+    gw.sim.set(a, fault={"kind": "status", "status": 503})
+    client = oa(gw)
+    raw = client.responses.with_raw_response.create(model=MODELS["openai"], input="hello")
+    first = raw.parse()
+    assert raw.headers["x-spillway-channel"] == b
+    assert row_of(gw, raw.headers["x-request-id"])["response_id"] == first.id
+    gw.sim.set(a, fault={"kind": "ok"})
+    before = gw.group_calls("openai")
+    # GET reaches the channel that holds it, though the first channel is healthy again.
+    got = client.responses.retrieve(first.id)
+    assert got.id == first.id and got.output_text == first.output_text
+    assert list(client.responses.input_items.list(first.id)) == []
+    # The next turn follows it there too, streamed or not.
+    nxt = client.responses.with_raw_response.create(model=MODELS["openai"], input="and then?",
+                                                    previous_response_id=first.id)
+    assert nxt.headers["x-spillway-channel"] == b
+    with client.responses.stream(model=MODELS["openai"], input="more", previous_response_id=nxt.parse().id) as s:
+        assert s.get_final_response().status == "completed"
+    assert gw.group_calls("openai") == [before[0], before[1] + 4]
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)  # the provider deleted it
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve("resp_not_made_here")
+    assert "with this API key" in e.value.message
+    assert gw.group_calls("openai")[0] == before[0], "nothing went to the channel that does not hold it"
+
+
 def test_responses_refuses_a_body_without_model_naming_the_field(gateway):
     # spec: A5
     r = httpx.post(f"{gateway.url}/v1/responses", headers={"authorization": f"Bearer {gateway.key}"},

@@ -105,6 +105,9 @@ pub enum GatewayError {
     NotFound { method: String, path: String },
     #[error("This endpoint does not accept this method.")]
     MethodNotAllowed,
+    /// A follow-up to a stored response the ledger has no record of for this key.
+    #[error("No stored response with that id was created through this gateway with this API key.")]
+    UnknownResponse,
     /// I2: a malformed `Idempotency-Key` header.
     #[error("`Idempotency-Key`: expected 1-255 printable ASCII characters.")]
     InvalidIdempotencyKey,
@@ -159,7 +162,9 @@ impl GatewayError {
             GatewayError::IdempotencyInProgress { .. }
             | GatewayError::IdempotencyUnknown { .. }
             | GatewayError::IdempotencyNotKept { .. } => ErrorKind::Conflict,
-            GatewayError::NoChannel { .. } | GatewayError::NotFound { .. } => ErrorKind::NotFound,
+            GatewayError::NoChannel { .. } | GatewayError::NotFound { .. } | GatewayError::UnknownResponse => {
+                ErrorKind::NotFound
+            }
             GatewayError::MethodNotAllowed => ErrorKind::MethodNotAllowed,
             GatewayError::CapacityBusy { .. }
             | GatewayError::CapacityQueueFull { .. }
@@ -193,9 +198,10 @@ impl GatewayError {
             GatewayError::IdempotencyInProgress { .. } => GatewayClass::IdempotencyInProgress,
             GatewayError::IdempotencyUnknown { .. } => GatewayClass::IdempotencyUnknown,
             GatewayError::IdempotencyNotKept { .. } => GatewayClass::IdempotencyCompleted,
-            GatewayError::NoChannel { .. } | GatewayError::NotFound { .. } | GatewayError::MethodNotAllowed => {
-                GatewayClass::NoChannel
-            }
+            GatewayError::NoChannel { .. }
+            | GatewayError::NotFound { .. }
+            | GatewayError::UnknownResponse
+            | GatewayError::MethodNotAllowed => GatewayClass::NoChannel,
             GatewayError::CapacityBusy { .. } => GatewayClass::CapacityBusy,
             GatewayError::CapacityQueueFull { .. } => GatewayClass::CapacityQueueFull,
             GatewayError::KeyLimited { .. } => GatewayClass::KeyLimited,

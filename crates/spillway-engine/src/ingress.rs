@@ -96,6 +96,12 @@ pub fn router_with<C: Caller>(state: Arc<AppState>, caller: Arc<C>) -> Router {
         .route("/v1/chat/completions", fixed(Format::OpenAi, Api::Generate))
         .route("/v1/responses", fixed(Format::OpenAi, Api::Responses))
         .route("/v1/embeddings", fixed(Format::OpenAi, Api::Embeddings))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::followup::follow_up).delete(crate::followup::follow_up),
+        )
+        .route("/v1/responses/{id}/input_items", get(crate::followup::follow_up))
+        .route("/v1/responses/{id}/cancel", post(crate::followup::follow_up))
         .route("/v1/messages", fixed(Format::Anthropic, Api::Generate))
         .route("/v1/messages/count_tokens", fixed(Format::Anthropic, Api::CountTokens))
         .route(
@@ -468,7 +474,16 @@ async fn handle<C: Caller>(
     let pinned = (named.is_some() || parsed.continuation)
         .then(|| st.control.pinned(conversation))
         .flatten();
-    let candidates = routing::candidates(&st, format, &parsed.model, pinned.as_deref());
+    let mut candidates = routing::candidates(&st, format, &parsed.model, pinned.as_deref());
+    // A Responses turn after a stored response goes where that response is stored: no
+    // other channel (another account) can find it. Gone from the group, it is routed as
+    // any request, and the provider says whether it can continue.
+    if let Some(prev) = &parsed.previous_response_id
+        && let Ok(Some(held)) = crate::followup::holder(&st, &key.key.name, prev).await
+        && candidates.iter().any(|c| *c.cfg.name == *held)
+    {
+        candidates.retain(|c| *c.cfg.name == *held);
+    }
     if candidates.is_empty() {
         return life.close(End::refused(GatewayError::NoChannel { format })).await;
     }

@@ -16,6 +16,7 @@ pub mod console;
 pub mod control;
 pub mod error;
 pub mod failover;
+pub mod followup;
 pub mod health;
 pub mod idempotency;
 pub mod ingress;

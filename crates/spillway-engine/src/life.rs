@@ -348,6 +348,10 @@ impl Life {
                 self.rec.finished_at = Some(now);
                 self.rec.state = RequestState::Done;
                 self.rec.http_status = Some(status.as_u16());
+                if self.api == spillway_wire::Api::Responses {
+                    self.rec.response_id = stored_response_id(&body);
+                    crate::followup::remember(&self.st, &self.rec);
+                }
                 self.rec.next_ready_at = None;
                 if self.idem.is_some() || self.prompt.is_some() {
                     let fits = body.len() as u64 <= self.st.config.idempotency.max_stored_response_bytes;
@@ -520,6 +524,8 @@ impl Life {
         let mut att = primed.att.clone();
         apply_usage(&mut self.rec, &mut att, &watch.usage);
         self.rec.first_token_at = watch.first_token_at;
+        self.rec.response_id = watch.response_id.take();
+        crate::followup::remember(&self.st, &self.rec);
         att.finished_at = Some(now);
         att.http_status = Some(200);
         let failure: Option<(FailureClass, String, RequestState)> = match end {
@@ -768,4 +774,16 @@ pub fn gateway_headers(h: &mut HeaderMap, rec: &RequestRecord) {
     if let Some(u) = &rec.upstream_request_id {
         set("x-spillway-upstream-request-id", u);
     }
+}
+
+/// The id a Responses API answer is stored under (`resp_...`), from its body.
+fn stored_response_id(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Stored {
+        id: Option<String>,
+    }
+    serde_json::from_slice::<Stored>(body)
+        .ok()?
+        .id
+        .filter(|id| !id.is_empty())
 }

@@ -34,6 +34,8 @@ pub struct Watch {
     pub usage: Usage,
     pub first_token_at: Option<UnixMs>,
     pub stream_error: Option<Signal>,
+    /// The Responses API's id of the response being streamed.
+    pub response_id: Option<String>,
 }
 
 impl Watch {
@@ -44,6 +46,7 @@ impl Watch {
             usage: Usage::default(),
             first_token_at: None,
             stream_error: None,
+            response_id: None,
         }
     }
 
@@ -65,6 +68,10 @@ impl Watch {
             }
             if let Some(v) = &json {
                 self.usage.merge(Usage::from_json(self.format, v));
+                // The Responses API names the stored response in its first event.
+                if self.response_id.is_none() && v.get("type").and_then(Value::as_str) == Some("response.created") {
+                    self.response_id = v.pointer("/response/id").and_then(Value::as_str).map(str::to_owned);
+                }
             }
             if let Some(e) = stream_error(&ev, json.as_ref()) {
                 self.stream_error = Some(classify_stream_error(self.format, e));

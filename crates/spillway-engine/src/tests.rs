@@ -108,6 +108,9 @@ impl LedgerBackend for Memory {
     }
     // The idempotency ledger's behaviour is tested over the real SQLite store; this one
     // only keeps the request path's writes.
+    async fn by_response_id(&self, _: &str, _: &str) -> spillway_ledger::Result<Option<RequestRecord>> {
+        Ok(None)
+    }
     async fn keyed(
         &self,
         _: &str,
@@ -310,6 +313,7 @@ fn parsed(model: &str) -> ParsedRequest {
         estimated_input_tokens: 1,
         conversation: 7,
         continuation: false,
+        previous_response_id: None,
     }
 }
 

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 
 /// Request headers a provider needs from its client; everything else stays at the gateway
 /// (the client's own credentials above all).
-const FORWARDED_HEADERS: &[&str] = &[
+pub(crate) const FORWARDED_HEADERS: &[&str] = &[
     "anthropic-version",
     "anthropic-beta",
     "openai-beta",
@@ -29,7 +29,7 @@ const FORWARDED_HEADERS: &[&str] = &[
     "accept",
 ];
 
-fn upstream_url(base: &str, format: Format, uri: &http::Uri) -> String {
+pub(crate) fn upstream_url(base: &str, format: Format, uri: &http::Uri) -> String {
     let query: Vec<&str> = uri
         .query()
         .unwrap_or_default()

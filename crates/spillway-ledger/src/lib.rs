@@ -82,6 +82,9 @@ pub trait LedgerBackend: Send + Sync + 'static {
     async fn control_states(&self) -> Result<Vec<ControlState>>;
     /// The newest audit entries (for `subject` of `kind` when given), newest first.
     async fn audit(&self, kind: Option<&str>, subject: Option<&str>, limit: u32) -> Result<Vec<AuditEntry>>;
+    /// The request of gateway key `key_name` whose provider stored the response
+    /// `response_id` (OpenAI Responses), newest first.
+    async fn by_response_id(&self, key_name: &str, response_id: &str) -> Result<Option<RequestRecord>>;
     /// I2: the newest request that ran under `idempotency_key` for the gateway key
     /// `key_name`, received at or after `since` (older keys have expired), with its stored
     /// response when one is kept and not expired at `now`.

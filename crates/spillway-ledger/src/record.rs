@@ -366,6 +366,9 @@ pub struct RequestRecord {
     pub idempotency_key: Option<String>,
     /// A repeat answered from the ledger: the request whose stored response it replayed.
     pub replay_of: Option<String>,
+    /// The provider's id of the response it stores (OpenAI Responses, `resp_...`), so a
+    /// follow-up reaches the channel that holds it.
+    pub response_id: Option<String>,
     /// What was recorded after the answer, outside the request path (the side-effect
     /// step, an owner's reconciliation). Out of line: rare, and every request's record
     /// is cloned and queued several times on the request path.
@@ -469,6 +472,7 @@ impl RequestRecord {
             next_ready_at: None,
             idempotency_key: None,
             replay_of: None,
+            response_id: None,
             resolution: None,
         }
     }
@@ -521,6 +525,7 @@ impl RequestRecord {
         cap_opt(&mut self.body_sha256, 64);
         cap_opt(&mut self.idempotency_key, 255);
         cap_opt(&mut self.replay_of, 64);
+        cap_opt(&mut self.response_id, 256);
     }
 }
 

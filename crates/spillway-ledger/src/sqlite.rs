@@ -37,7 +37,7 @@ const WAL_RESTART_BYTES: u64 = 16 * 1024 * 1024;
 /// The WAL file is truncated back to this many bytes after it restarts.
 const WAL_SIZE_LIMIT: u64 = WAL_RESTART_BYTES;
 
-/// SQLite allows 32766 bound parameters per statement and a batch row binds 60.
+/// SQLite allows 32766 bound parameters per statement and a batch row binds 61.
 const ROWS_PER_STATEMENT: usize = 500;
 
 /// The largest batch that keeps its prepared statement. Larger ones come only under heavy
@@ -61,7 +61,7 @@ const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request
     format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
     error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
     admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at, \
-    idempotency_key, replay_of";
+    idempotency_key, replay_of, response_id";
 
 /// Columns the request path never writes (the side-effect step and reconciliation set
 /// them through their own statements); read with the rest.
@@ -69,7 +69,7 @@ const REQUEST_READ_COLUMNS: &str = "id, trace_id, client_request_id, upstream_re
     format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
     error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
     admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at, \
-    idempotency_key, replay_of, result_id, side_effect_at, reconciliation, reconciled_by, reconciled_reason, reconciled_at";
+    idempotency_key, replay_of, response_id, result_id, side_effect_at, reconciliation, reconciled_by, reconciled_reason, reconciled_at";
 
 /// Columns fixed when a request is first written. Leaving them out of the upsert's SET
 /// spares SQLite rewriting their index entries (trace id, client id, time) on every
@@ -288,6 +288,7 @@ fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
         next_ready_at: ms(r.try_get("next_ready_at")?),
         idempotency_key: r.try_get("idempotency_key")?,
         replay_of: r.try_get("replay_of")?,
+        response_id: r.try_get("response_id")?,
         resolution: {
             let res = crate::Resolution {
                 result_id: r.try_get("result_id")?,
@@ -459,7 +460,8 @@ fn bind_request(b: &mut Separated<'_, Sqlite, &'static str>, r: &RequestRecord) 
         .push_bind(r.partial_output_committed)
         .push_bind(r.next_ready_at.map(|t| t.0))
         .push_bind(r.idempotency_key.clone())
-        .push_bind(r.replay_of.clone());
+        .push_bind(r.replay_of.clone())
+        .push_bind(r.response_id.clone());
 }
 
 fn bind_attempt(b: &mut Separated<'_, Sqlite, &'static str>, a: &AttemptRecord) {
@@ -735,6 +737,18 @@ impl LedgerBackend for SqliteBackend {
                 })
             })
             .collect()
+    }
+
+    async fn by_response_id(&self, key_name: &str, response_id: &str) -> Result<Option<RequestRecord>> {
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {REQUEST_READ_COLUMNS} FROM requests WHERE response_id = ? AND response_id IS NOT NULL \
+             AND key_name = ? ORDER BY id DESC LIMIT 1"
+        )))
+        .bind(response_id)
+        .bind(key_name)
+        .fetch_optional(&self.readers)
+        .await?;
+        row.as_ref().map(request_from_row).transpose()
     }
 
     async fn keyed(

@@ -493,6 +493,10 @@ impl Ledger {
     }
 
     /// I2: the newest request under `idempotency_key` for `key_name` since `since`.
+    pub async fn by_response_id(&self, key_name: &str, response_id: &str) -> Result<Option<RequestRecord>> {
+        self.backend.by_response_id(key_name, response_id).await
+    }
+
     pub async fn keyed(
         &self,
         key_name: &str,
@@ -1196,6 +1200,9 @@ mod tests {
             self.commits.fetch_add(1, Ordering::SeqCst);
             self.inner.write_batch(r, a, p).await
         }
+        async fn by_response_id(&self, k: &str, r: &str) -> Result<Option<RequestRecord>> {
+            self.inner.by_response_id(k, r).await
+        }
         async fn keyed(&self, k: &str, i: &str, since: UnixMs, now: UnixMs) -> Result<Option<KeyedRequest>> {
             self.inner.keyed(k, i, since, now).await
         }
@@ -1430,6 +1437,25 @@ mod tests {
             ledger.queue.held_back.load(Ordering::Relaxed) > 0,
             "the queue was full and held writers back"
         );
+    }
+
+    #[tokio::test]
+    async fn a_stored_response_is_found_by_its_id_for_its_own_key_after_a_reopen() {
+        // spec: I1
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let ledger = Ledger::open_sqlite(&path).await.unwrap();
+        let mut r = rec("r1", RequestState::Done);
+        r.response_id = Some("resp_abc".into());
+        r.channel = Some("openai-b".into());
+        ledger.put_request_durable(r).await.unwrap();
+        ledger.close(Duration::from_secs(1)).await.unwrap();
+        drop(ledger);
+        let ledger = Ledger::open_sqlite(&path).await.unwrap();
+        let found = ledger.by_response_id("app", "resp_abc").await.unwrap().unwrap();
+        assert_eq!((found.id.as_str(), found.channel.as_deref()), ("r1", Some("openai-b")));
+        assert!(ledger.by_response_id("other-key", "resp_abc").await.unwrap().is_none());
+        assert!(ledger.by_response_id("app", "resp_other").await.unwrap().is_none());
     }
 
     #[tokio::test]

@@ -38,9 +38,25 @@ struct ChannelState {
     /// Calls already served by `behavior.script[0]`.
     used_of_step: u32,
     stats: ChannelStats,
+    /// Responses API answers this channel (this provider account) stores, by id: only it
+    /// can find them again.
+    stored: std::collections::HashMap<String, Value>,
 }
 
+/// Stored responses kept per channel; the oldest half goes when it is full.
+const STORED_MAX: usize = 10_000;
+
 impl ChannelState {
+    fn store(&mut self, id: String, response: Value) {
+        if self.stored.len() >= STORED_MAX {
+            let drop: Vec<String> = self.stored.keys().take(STORED_MAX / 2).cloned().collect();
+            for k in drop {
+                self.stored.remove(&k);
+            }
+        }
+        self.stored.insert(id, response);
+    }
+
     fn next_fault(&mut self) -> Fault {
         if let Some(step) = self.behavior.script.first().cloned() {
             self.used_of_step += 1;
@@ -182,11 +198,33 @@ enum Endpoint {
         gemini_sse: bool,
     },
     ListModels,
+    /// A follow-up to a stored Responses answer: `GET`/`DELETE /v1/responses/{id}`,
+    /// `GET .../input_items`, `POST .../cancel`.
+    Stored {
+        id: String,
+        action: Option<String>,
+    },
 }
 
 fn endpoint(method: &Method, rest: &str, query: &str) -> Option<Endpoint> {
     if method == Method::GET && rest == "/v1/models" {
         return Some(Endpoint::ListModels);
+    }
+    if let Some(tail) = rest.strip_prefix("/v1/responses/") {
+        let (id, action) = match tail.split_once('/') {
+            Some((id, a)) => (id, Some(a.to_owned())),
+            None => (tail, None),
+        };
+        let allowed = match action.as_deref() {
+            None => method == Method::GET || method == Method::DELETE,
+            Some("input_items") => method == Method::GET,
+            Some("cancel") => method == Method::POST,
+            Some(_) => false,
+        };
+        return allowed.then(|| Endpoint::Stored {
+            id: id.to_owned(),
+            action,
+        });
     }
     if method != Method::POST {
         return None;
@@ -227,6 +265,37 @@ fn endpoint(method: &Method, rest: &str, query: &str) -> Option<Endpoint> {
             })
         }
     }
+}
+
+/// A follow-up to a stored response: found only on the channel that stored it.
+fn stored(state: &SimState, channel: &str, method: &Method, id: &str, action: Option<&str>) -> Response<Body> {
+    let found = state.with(channel, |c| {
+        if *method == Method::DELETE {
+            c.stored.remove(id)
+        } else {
+            c.stored.get(id).cloned()
+        }
+    });
+    let Some(response) = found else {
+        return json_response(
+            StatusCode::NOT_FOUND,
+            &json!({"error": {"message": format!("Response with id '{id}' not found."),
+                "type": "invalid_request_error", "param": null, "code": null}}),
+        );
+    };
+    let body = match (method.as_str(), action) {
+        ("DELETE", _) => json!({"id": id, "object": "response", "deleted": true}),
+        (_, Some("input_items")) => {
+            json!({"object": "list", "data": [], "first_id": null, "last_id": null, "has_more": false})
+        }
+        (_, Some(_)) => {
+            let mut r = response;
+            r["status"] = json!("cancelled");
+            r
+        }
+        _ => response,
+    };
+    json_response(StatusCode::OK, &body)
 }
 
 /// The Host a request names (HTTP/2 authority or the Host header), if any.
@@ -272,6 +341,7 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
         .iter()
         .filter_map(|h| Some((h.to_string(), req.headers().get(*h)?.to_str().ok()?.to_owned())))
         .collect();
+    let method = req.method().clone();
     let Some(ep) = endpoint(req.method(), &rest, &query) else {
         return Ok(json_response(
             StatusCode::NOT_FOUND,
@@ -299,6 +369,10 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
         channel: channel.clone(),
     };
 
+    if let Endpoint::Stored { id, action } = &ep {
+        drop(guard);
+        return Ok(stored(&state, &channel, &method, id, action.as_deref()));
+    }
     let Endpoint::Generate {
         format,
         api,
@@ -403,7 +477,9 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
     if !stream {
         drop(guard);
         let v = if api == Api::Responses {
-            responses::responses_body(&model, prompt_tokens, n, &rid)
+            let v = responses::responses_body(&model, prompt_tokens, n, &rid);
+            state.with(&channel, |c| c.store(rid.clone(), v.clone()));
+            v
         } else {
             responses::body(format, &model, prompt_tokens, n)
         };
@@ -414,6 +490,10 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
     }
 
     let plan = if api == Api::Responses {
+        if !matches!(fault, Fault::CutBeforeFirstToken | Fault::CutAfterFirstToken { .. }) {
+            let whole = responses::responses_body(&model, prompt_tokens, n, &rid);
+            state.with(&channel, |c| c.store(rid.clone(), whole));
+        }
         responses::responses_stream(&model, prompt_tokens, n, &rid)
     } else {
         responses::stream(format, &model, prompt_tokens, n, include_usage)

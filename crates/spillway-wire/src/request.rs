@@ -53,6 +53,9 @@ pub struct ParsedRequest {
     /// The request carries turns after its opening (an answer and a further question):
     /// it continues a conversation rather than starting one.
     pub continuation: bool,
+    /// OpenAI Responses: the stored response this turn follows, which only the channel
+    /// that stored it can find.
+    pub previous_response_id: Option<String>,
 }
 
 /// A message list: how many there are, and a hash of the opening ones.
@@ -368,6 +371,7 @@ pub fn parse_request(
         estimated_input_tokens,
         conversation: 0,
         continuation: false,
+        previous_response_id: None,
     };
     let gemini_model = || path_model.unwrap_or_default().to_owned();
     let parsed = match (format, api) {
@@ -382,6 +386,7 @@ pub fn parse_request(
                 estimated_input_tokens,
                 conversation: r.messages.opening,
                 continuation: r.messages.more,
+                previous_response_id: None,
             }
         }
         (Format::OpenAi, Api::Responses) => {
@@ -409,6 +414,7 @@ pub fn parse_request(
                 conversation,
                 // A turn that names the response it follows continues a conversation.
                 continuation: continuation || r.previous_response_id.is_some(),
+                previous_response_id: r.previous_response_id,
             }
         }
         (Format::OpenAi, Api::Embeddings) => {
@@ -436,6 +442,7 @@ pub fn parse_request(
                 estimated_input_tokens,
                 conversation: r.messages.opening,
                 continuation: r.messages.more,
+                previous_response_id: None,
             }
         }
         (Format::Anthropic, Api::CountTokens) => {
@@ -454,6 +461,7 @@ pub fn parse_request(
                 estimated_input_tokens,
                 conversation: r.contents.opening,
                 continuation: r.contents.more,
+                previous_response_id: None,
             }
         }
         (Format::Gemini, Api::Embeddings) => {

@@ -23,6 +23,11 @@ idempotency_key: string | null,
  */
 replay_of: string | null, 
 /**
+ * The provider's id of the response it stores (OpenAI Responses, `resp_...`), so a
+ * follow-up reaches the channel that holds it.
+ */
+response_id: string | null, 
+/**
  * What was recorded after the answer, outside the request path (the side-effect
  * step, an owner's reconciliation). Out of line: rare, and every request's record
  * is cloned and queued several times on the request path.

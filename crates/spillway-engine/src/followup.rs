@@ -1,0 +1,133 @@
+//! Follow-ups to a response the provider stores (OpenAI's Responses API):
+//! `GET`/`DELETE /v1/responses/{id}`, `GET .../input_items`, `POST .../cancel`. Only the
+//! channel (the provider account) that stored a response can find it, so each goes to the
+//! channel the ledger recorded for it, for the gateway key that created it and no other.
+//! They are metadata calls: passed through as they are, not retried, metered or billed.
+
+use crate::error::GatewayError;
+use crate::ingress::{authenticate, refuse_without_row};
+use crate::server::ConnState;
+use crate::state::AppState;
+use crate::upstream::{FORWARDED_HEADERS, upstream_url};
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::response::Response;
+use futures_util::TryStreamExt;
+use http::header;
+use spillway_wire::Format;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The pin of a stored response, scoped by the gateway key that created it.
+fn pin_of(key_name: &str, response_id: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ("stored-response", key_name, response_id).hash(&mut h);
+    h.finish()
+}
+
+/// A Responses answer was stored by the channel that served `rec`: follow-ups go there.
+/// Held in memory at once (the next turn may come before the final record's commit),
+/// and in the ledger for good.
+pub(crate) fn remember(st: &AppState, rec: &spillway_ledger::RequestRecord) {
+    if let (Some(id), Some(key), Some(held)) = (&rec.response_id, &rec.key_name, &rec.channel)
+        && let Some(ch) = st.channels.iter().find(|c| c.cfg.name == *held)
+    {
+        st.control.pin(pin_of(key, id), ch);
+    }
+}
+
+/// The channel that stored `response_id` for `key_name`, if it was made here.
+pub(crate) async fn holder(
+    st: &AppState,
+    key_name: &str,
+    response_id: &str,
+) -> spillway_ledger::Result<Option<String>> {
+    if let Some(c) = st.control.pinned(pin_of(key_name, response_id)) {
+        return Ok(Some(c.to_string()));
+    }
+    Ok(st
+        .ledger
+        .by_response_id(key_name, response_id)
+        .await?
+        .and_then(|r| r.channel))
+}
+
+/// `/v1/responses/{id}` and `/v1/responses/{id}/{action}`.
+pub async fn follow_up(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let format = Format::OpenAi;
+    let conn = req.extensions().get::<Arc<ConnState>>().cloned();
+    let key = match authenticate(&st, format, req.headers(), req.uri()) {
+        Ok(k) => k,
+        Err(e) => return refuse_without_row(&st, format, conn.as_ref(), e),
+    };
+    let id = req
+        .uri()
+        .path()
+        .trim_start_matches("/v1/responses/")
+        .split('/')
+        .next()
+        .unwrap_or_default()
+        .to_owned();
+    let not_found = || GatewayError::UnknownResponse.into_response(format);
+    let held = match holder(&st, &key.key.name, &id).await {
+        Ok(Some(c)) => Some(c),
+        Ok(None) => return not_found(),
+        Err(e) => {
+            tracing::error!(error = %e, "could not look up a stored response");
+            return GatewayError::LedgerUnavailable.into_response(format);
+        }
+    };
+    let Some(channel) = st.channels.iter().find(|c| Some(&c.cfg.name) == held.as_ref()) else {
+        return not_found();
+    };
+    let ch = &channel.cfg;
+    let (parts, body) = req.into_parts();
+    let body = match axum::body::to_bytes(body, st.config.max_body_bytes as usize).await {
+        Ok(b) => b,
+        Err(_) => return GatewayError::BodyRead.into_response(format),
+    };
+    let mut rb = st
+        .client
+        .request(parts.method.clone(), upstream_url(&ch.base_url, format, &parts.uri))
+        .timeout(Duration::from_millis(
+            ch.timeout_ms.unwrap_or(st.config.attempt_timeout_ms),
+        ));
+    if !body.is_empty() {
+        rb = rb.header(header::CONTENT_TYPE, "application/json").body(body);
+    }
+    for name in FORWARDED_HEADERS {
+        if let Some(v) = parts.headers.get(*name) {
+            rb = rb.header(*name, v.clone());
+        }
+    }
+    if let Some(k) = &ch.api_key {
+        rb = rb.bearer_auth(k);
+    }
+    let up = match rb.send().await {
+        Ok(r) => r,
+        Err(e) => {
+            let message = format!(
+                "the channel that stored this response did not answer: {}",
+                e.without_url()
+            );
+            return GatewayError::Upstream {
+                kind: spillway_wire::ErrorKind::Upstream,
+                message: spillway_ledger::truncate(message, 512),
+                retry_after_ms: None,
+                futile: false,
+            }
+            .into_response(format);
+        }
+    };
+    let mut out = Response::builder().status(up.status().as_u16());
+    for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
+        if let Some(v) = up.headers().get(&name) {
+            out = out.header(name, v.clone());
+        }
+    }
+    out = out.header("x-spillway-channel", ch.name.as_str());
+    let stream = up.bytes_stream().map_err(std::io::Error::other);
+    out.body(Body::from_stream(stream))
+        .unwrap_or_else(|_| GatewayError::Internal.into_response(format))
+}
