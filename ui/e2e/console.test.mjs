@@ -180,6 +180,22 @@ test('the ledger search finds a request this test made', async () => {
   await until('the detail to close', async () => (await p.getByTestId('detail').count()) === 0)
   await p.getByTestId('search').fill('')
   await p.getByTestId('search').press('Enter')
+  // An embedding request, found by its endpoint type (issue 12).
+  const e = await fetch(`${url}/v1/embeddings`, {
+    method: 'POST',
+    headers: { Authorization: `Bearer ${demoKey}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ model: 'text-embedding-3-small', input: 'embed me' }),
+  })
+  assert.equal(e.status, 200)
+  const embedId = e.headers.get('x-request-id')
+  await p.getByLabel('Endpoint type').selectOption('embeddings')
+  await p.getByTestId('search').press('Enter')
+  await until('only embedding requests', async () => {
+    const cells = await p.getByTestId('endpoint').allTextContents()
+    return cells.length > 0 && cells.every((c) => c === '/v1/embeddings') && new RegExp(embedId).test(await p.getByTestId('results').textContent())
+  })
+  await p.getByLabel('Endpoint type').selectOption('')
+  await p.getByTestId('search').press('Enter')
   await p.waitForTimeout(500)
   await p.screenshot({ path: join(SHOTS, 'ledger-browser.png') })
   await accessible(p, 'the ledger')

@@ -4,7 +4,8 @@ import { getRequest, searchRequests, type Connection } from './api'
 import type { RequestState } from './bindings/RequestState'
 import type { Search } from './bindings/Search'
 import { navigate } from './router'
-import { count, decision, failureClass, ms, since, statePill, time } from './format'
+import type { Api } from './bindings/Api'
+import { APIS, apiLabel, count, decision, failureClass, ms, since, statePill, time } from './format'
 
 const STATES: RequestState[] = ['received', 'calling_api', 'api_completed', 'side_effect_pending', 'done', 'failed', 'unknown']
 
@@ -14,8 +15,8 @@ function select(id: string | null, replace = false) {
 }
 
 export function LedgerView({ conn, selected: linked }: { conn: Connection; selected: string | null }) {
-  const [draft, setDraft] = useState({ q: '', route: '', state: '', window: '' })
-  const [search, setSearch] = useState<Search>({ q: null, route: null, state: null, from_ms: null, to_ms: null, before: null, limit: 50 })
+  const [draft, setDraft] = useState({ q: '', route: '', state: '', api: '', window: '' })
+  const [search, setSearch] = useState<Search>({ q: null, route: null, state: null, api: null, from_ms: null, to_ms: null, before: null, limit: 50 })
   const [cursors, setCursors] = useState<(string | null)[]>([])
   // The selected request is in the URL (`/ledger/<id>`): it can be linked to, and the back
   // button closes it.
@@ -51,7 +52,7 @@ export function LedgerView({ conn, selected: linked }: { conn: Connection; selec
     setCursors([])
     // A time window is a key range on the server: cheap at any ledger size.
     const from_ms = draft.window ? Date.now() - Number(draft.window) * 60_000 : null
-    setSearch({ ...search, q: draft.q.trim() || null, route: draft.route.trim() || null, state: (draft.state || null) as RequestState | null, from_ms, before: null })
+    setSearch({ ...search, q: draft.q.trim() || null, route: draft.route.trim() || null, state: (draft.state || null) as RequestState | null, api: (draft.api || null) as Api | null, from_ms, before: null })
   }
 
   return (
@@ -63,6 +64,10 @@ export function LedgerView({ conn, selected: linked }: { conn: Connection; selec
         <select aria-label="State" value={draft.state} onChange={(e) => setDraft({ ...draft, state: e.target.value })}>
           <option value="">Any state</option>
           {STATES.map((s) => <option key={s} value={s}>{s}</option>)}
+        </select>
+        <select aria-label="Endpoint type" value={draft.api} onChange={(e) => setDraft({ ...draft, api: e.target.value })}>
+          <option value="">Any endpoint</option>
+          {APIS.map((a) => <option key={a} value={a}>{apiLabel(a)}</option>)}
         </select>
         <select aria-label="Time window" value={draft.window} onChange={(e) => setDraft({ ...draft, window: e.target.value })}>
           <option value="">Any time</option>
@@ -78,17 +83,18 @@ export function LedgerView({ conn, selected: linked }: { conn: Connection; selec
           {page.isPending ? (
             <p className="muted">Loading…</p>
           ) : items.length === 0 ? (
-            <p className="muted" data-testid="no-results">{search.q || search.route || search.state || search.from_ms ? 'Nothing matches this search.' : 'The ledger is empty: no request has reached the gateway yet.'}</p>
+            <p className="muted" data-testid="no-results">{search.q || search.route || search.state || search.api || search.from_ms ? 'Nothing matches this search.' : 'The ledger is empty: no request has reached the gateway yet.'}</p>
           ) : (
             <table className="grid selectable" data-testid="results">
               <thead>
-                <tr><th>Received</th><th>Request id</th><th>Route</th><th>State</th><th className="num">Status</th><th className="num">Attempts</th><th className="num">Duration</th></tr>
+                <tr><th>Received</th><th>Request id</th><th>Route</th><th>Endpoint</th><th>State</th><th className="num">Status</th><th className="num">Attempts</th><th className="num">Duration</th></tr>
               </thead>
               <tbody>
                 {items.map((r) => (
                   <tr key={r.id} aria-selected={r.id === selected} onClick={() => select(r.id)} tabIndex={0}
                     onKeyDown={(e) => e.key === 'Enter' && select(r.id)}>
                     <td>{time(r.received_at)}</td><td className="mono">{r.id}</td><td>{r.route ?? '—'}</td>
+                    <td className="mono" data-testid="endpoint">{r.endpoint}</td>
                     <td><span className={statePill(r.state)}>{r.state}</span></td>
                     <td className="num">{r.http_status ?? '—'}</td><td className="num">{r.attempts}</td>
                     <td className="num">{since(r.received_at, r.finished_at)}</td>
@@ -124,7 +130,8 @@ function Detail({ conn, id, onClose }: { conn: Connection; id: string; onClose: 
   const rows: [string, string][] = [
     ['Request id', r.id], ['Trace id', r.trace_id], ['Client request id', r.client_request_id ?? '—'],
     ['Provider request id', r.upstream_request_id ?? '—'], ['Key / owner', `${r.key_name ?? '—'} / ${r.owner ?? '—'}`],
-    ['Route', r.route ?? '—'], ['Channel', r.channel ?? '—'],
+    ['Route', r.route ?? '—'], ['Endpoint', r.endpoint], ['Channel', r.channel ?? '—'],
+    ...(r.response_id ? [['Stored response', `${r.response_id} (follow-ups go to this channel)`] as [string, string]] : []),
     ['Model', r.requested_model === r.served_model || !r.served_model ? (r.requested_model ?? '—') : `${r.requested_model} → served by ${r.served_model}`],
     ['State', r.state + (r.partial_output_committed ? ' (partial output committed)' : '')],
     ['Status', r.http_status ? String(r.http_status) : '—'], ['Error', r.error_class ? `${failureClass(r.error_class)}: ${r.error_message ?? ''}` : '—'],

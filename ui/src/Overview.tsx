@@ -6,7 +6,7 @@ import type { ChannelView } from './bindings/ChannelView'
 import type { RouteControlView } from './bindings/RouteControlView'
 import { linkProps } from './router'
 import { Chart } from './Chart'
-import { breakerPill, bytes, count, errorMix, ms, pct, rate, rejectReason, rotationPill, severityClass, time, usd } from './format'
+import { apiLabel, breakerPill, bytes, count, errorMix, ms, pct, rate, rejectReason, rotationPill, severityClass, time, usd } from './format'
 import { useLive } from './useLive'
 import { useActor } from './actor'
 
@@ -77,7 +77,7 @@ export function OverviewView({ conn }: { conn: Connection }) {
         <table className="grid" data-testid="routes">
           <thead>
             <tr>
-              <th>Provider</th><th>Model</th><th>Owner</th><th className="num">In flight</th>
+              <th>Provider</th><th>Model</th><th>Endpoint</th><th>Owner</th><th className="num">In flight</th>
               <th className="num" title="Waiting for channel capacity (or a paced channel) right now">Queued</th>
               <th className="num" title="Requests that had to wait for capacity since start: count, mean and longest wait">Waited</th>
               <th className="num">Requests</th><th className="num" title="Succeeded ÷ finished">Success</th>
@@ -88,8 +88,8 @@ export function OverviewView({ conn }: { conn: Connection }) {
           </thead>
           <tbody>
             {overview.routes.map((r) => (
-              <tr key={`${r.provider}/${r.model}/${r.owner}`}>
-                <td>{r.provider}</td><td>{r.model}</td><td>{r.owner || '—'}</td>
+              <tr key={`${r.provider}/${r.model}/${r.owner}/${r.api}`}>
+                <td>{r.provider}</td><td>{r.model}</td><td data-testid="route-api">{apiLabel(r.api)}</td><td>{r.owner || '—'}</td>
                 <td className="num">{count(r.in_flight)}</td><td className="num" data-testid="route-queued">{count(r.queued)}</td>
                 <td className="num" data-testid="route-waited">{r.waited ? `${count(r.waited)} · ${ms(r.wait_ms_total / r.waited)} avg · ${ms(r.wait_ms_max)} max` : '—'}</td>
                 <td className="num">{count(r.requests)}</td>

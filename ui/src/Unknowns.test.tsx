@@ -17,7 +17,7 @@ const request: RequestRecord = {
   error_message: 'the gateway stopped while this request was calling the provider', input_tokens: null,
   output_tokens: null, cached_input_tokens: null, reasoning_tokens: null, cost_usd: null, received_at: now - 3 * 3600_000,
   admitted_at: now - 3 * 3600_000 + 5, first_token_at: null, finished_at: null, queued_ms: null, attempts: 2,
-  body_sha256: 'ab', partial_output_committed: false, next_ready_at: null, idempotency_key: 'invoice-42', replay_of: null,
+  body_sha256: 'ab', partial_output_committed: false, next_ready_at: null, idempotency_key: 'invoice-42', replay_of: null, response_id: null,
   resolution: null,
 }
 const items: RequestDetail[] = [{

@@ -41,14 +41,14 @@ describe('ledger search', () => {
   it('sends only the filters that are set', async () => {
     const fetchMock = vi.fn(async () => new Response(JSON.stringify({ items: [], next: null }), { status: 200 }))
     vi.stubGlobal('fetch', fetchMock)
-    await searchRequests(conn, { q: 'abc', route: null, state: 'failed', from_ms: null, to_ms: null, before: null, limit: 50 })
+    await searchRequests(conn, { q: 'abc', route: null, state: 'failed', api: 'embeddings', from_ms: null, to_ms: null, before: null, limit: 50 })
     const url = (fetchMock.mock.calls[0] as unknown as [string])[0]
-    expect(url).toBe('http://127.0.0.1:9/admin/v1/requests?q=abc&state=failed&limit=50')
+    expect(url).toBe('http://127.0.0.1:9/admin/v1/requests?q=abc&state=failed&api=embeddings&limit=50')
   })
 
   it('says the gateway is unreachable instead of a raw network error', async () => {
     vi.stubGlobal('fetch', vi.fn(async () => { throw new TypeError('fetch failed') }))
-    const err = await searchRequests(conn, { q: null, route: null, state: null, from_ms: null, to_ms: null, before: null, limit: null }).catch((e) => e)
+    const err = await searchRequests(conn, { q: null, route: null, state: null, api: null, from_ms: null, to_ms: null, before: null, limit: null }).catch((e) => e)
     expect(err).toBeInstanceOf(ApiError)
     expect(err.message).toMatch(/Cannot reach the gateway/)
   })

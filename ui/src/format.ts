@@ -9,6 +9,7 @@ import type { RotationState } from './bindings/RotationState'
 import type { Severity } from './bindings/Severity'
 import type { StopReason } from './bindings/StopReason'
 import type { Trigger } from './bindings/Trigger'
+import type { Api } from './bindings/Api'
 
 // Numbers with units, the way an operator reads them at 3 a.m.
 
@@ -195,6 +196,21 @@ export function severityClass(s: Severity): string {
       return 'ok-text'
   }
 }
+
+const API: Record<Api, string> = {
+  generate: 'chat',
+  responses: 'responses',
+  embeddings: 'embeddings',
+  count_tokens: 'token count',
+}
+
+/** What a request asks of the provider, as the console labels it. */
+export function apiLabel(a: Api): string {
+  return API[a]
+}
+
+/** Every API, in the order the console lists them. */
+export const APIS = Object.keys(API) as Api[]
 
 const REJECT: Record<RejectReason, string> = {
   missing_key: 'no key',

@@ -307,20 +307,25 @@ fn endpoint(format: Format, api: Api, path: &str, stream: bool) -> &'static str 
         (Format::Anthropic, Api::CountTokens) => "/v1/messages/count_tokens",
         (Format::Anthropic, _) => "/v1/messages",
         (Format::Gemini, _) => {
-            let beta = path.starts_with("/v1beta/");
-            let batch = path.ends_with(":batchEmbedContents");
-            match (api, stream, batch, beta) {
-                (Api::Embeddings, _, true, true) => "/v1beta/models/{model}:batchEmbedContents",
-                (Api::Embeddings, _, true, false) => "/v1/models/{model}:batchEmbedContents",
-                (Api::Embeddings, _, false, true) => "/v1beta/models/{model}:embedContent",
-                (Api::Embeddings, _, false, false) => "/v1/models/{model}:embedContent",
-                (Api::CountTokens, _, _, true) => "/v1beta/models/{model}:countTokens",
-                (Api::CountTokens, _, _, false) => "/v1/models/{model}:countTokens",
-                (_, false, _, true) => "/v1beta/models/{model}:generateContent",
-                (_, true, _, true) => "/v1beta/models/{model}:streamGenerateContent",
-                (_, false, _, false) => "/v1/models/{model}:generateContent",
-                (_, true, _, false) => "/v1/models/{model}:streamGenerateContent",
-            }
+            // Gemini's path names the action: the recorded endpoint is that path with the
+            // model replaced, found in the table (which lists every one).
+            let prefix = if path.starts_with("/v1beta/") {
+                "/v1beta/models/{model}:"
+            } else {
+                "/v1/models/{model}:"
+            };
+            let action = match (api, stream) {
+                (Api::Embeddings, _) if path.ends_with(":batchEmbedContents") => "batchEmbedContents",
+                (Api::Embeddings, _) => "embedContent",
+                (Api::CountTokens, _) => "countTokens",
+                (_, true) => "streamGenerateContent",
+                (_, false) => "generateContent",
+            };
+            spillway_wire::request::ENDPOINTS
+                .iter()
+                .map(|(e, _)| *e)
+                .find(|e| e.strip_prefix(prefix) == Some(action))
+                .unwrap_or("/v1beta/models/{model}:generateContent")
         }
     }
 }
@@ -651,6 +656,42 @@ mod tests {
         assert_eq!(presented_key(Format::Gemini, &h, &uri), Some("sk-g"));
         // The OpenAI format only reads Bearer, as the OpenAI API does.
         assert_eq!(presented_key(Format::OpenAi, &h, &uri), Some("sk-b"));
+    }
+
+    #[test]
+    fn every_recorded_endpoint_is_in_the_table_with_its_api() {
+        // spec: I1
+        let cases = [
+            (Format::OpenAi, Api::Generate, "/v1/chat/completions", false),
+            (Format::OpenAi, Api::Responses, "/v1/responses", true),
+            (Format::OpenAi, Api::Embeddings, "/v1/embeddings", false),
+            (Format::Anthropic, Api::Generate, "/v1/messages", true),
+            (Format::Anthropic, Api::CountTokens, "/v1/messages/count_tokens", false),
+            (Format::Gemini, Api::Generate, "/v1beta/models/m:generateContent", false),
+            (
+                Format::Gemini,
+                Api::Generate,
+                "/v1/models/m:streamGenerateContent",
+                true,
+            ),
+            (Format::Gemini, Api::Embeddings, "/v1beta/models/m:embedContent", false),
+            (
+                Format::Gemini,
+                Api::Embeddings,
+                "/v1/models/m:batchEmbedContents",
+                false,
+            ),
+            (Format::Gemini, Api::CountTokens, "/v1/models/m:countTokens", false),
+        ];
+        for (format, api, path, stream) in cases {
+            let e = endpoint(format, api, path, stream);
+            assert!(spillway_wire::request::ENDPOINTS.iter().any(|(x, _)| *x == e), "{e}");
+            assert_eq!(Api::of_endpoint(e), api, "{e}");
+            assert_eq!(e.starts_with("/v1beta/"), path.starts_with("/v1beta/"), "{path} -> {e}");
+            if format == Format::Gemini {
+                assert!(e.ends_with(path.rsplit_once(':').unwrap().1), "{path} -> {e}");
+            }
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@
 
 use serde::Serialize;
 use spillway_ledger::{RequestRecord, RequestState};
-use spillway_wire::{ErrorClass, Format, UnixMs};
+use spillway_wire::{Api, ErrorClass, Format, UnixMs};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -52,12 +52,14 @@ pub struct Rejection {
     pub peer: Option<String>,
 }
 
-/// A route: provider (wire format), model, owner.
+/// A route: provider (wire format), model, owner, and what its requests ask (chat,
+/// Responses, embeddings, counting), whose latencies and failures are not alike.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RouteKey {
     pub format: Format,
     pub model: String,
     pub owner: String,
+    pub api: Api,
 }
 
 impl RouteKey {
@@ -66,6 +68,7 @@ impl RouteKey {
             format: rec.format,
             model: rec.requested_model.clone()?,
             owner: rec.owner.clone().unwrap_or_default(),
+            api: Api::of_endpoint(&rec.endpoint),
         })
     }
 }
@@ -163,6 +166,7 @@ pub struct RouteFigures {
     pub provider: Format,
     pub model: String,
     pub owner: String,
+    pub api: Api,
     pub in_flight: i64,
     /// Waiting for channel capacity right now.
     pub queued: i64,
@@ -188,6 +192,7 @@ impl RouteFigures {
             provider: k.format,
             model: k.model.clone(),
             owner: k.owner.clone(),
+            api: k.api,
             in_flight: 0,
             queued: 0,
             requests: 0,

@@ -103,6 +103,7 @@ impl Prom {
                 let l = [
                     ("route", format!("{}/{}", f.provider, f.model)),
                     ("owner", f.owner.clone()),
+                    ("api", f.api.as_str().to_owned()),
                 ];
                 counter("spillway_requests_total", &l, f.requests);
                 counter("spillway_requests_succeeded_total", &l, f.succeeded);

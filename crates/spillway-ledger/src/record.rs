@@ -629,6 +629,8 @@ pub struct Search {
     /// `provider/model`, as in `x-spillway-route`.
     pub route: Option<String>,
     pub state: Option<RequestState>,
+    /// What the requests asked of the provider (chat, Responses, embeddings, counting).
+    pub api: Option<spillway_wire::Api>,
     /// Inclusive.
     pub from_ms: Option<UnixMs>,
     /// Exclusive.

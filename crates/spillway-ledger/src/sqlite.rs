@@ -621,6 +621,14 @@ impl LedgerBackend for SqliteBackend {
         if let Some(state) = s.state {
             q.push(" AND state = ").push_bind(state.as_str());
         }
+        if let Some(api) = s.api {
+            let mut list = q.separated(", ");
+            list.push_unseparated(" AND endpoint IN (");
+            for e in api.endpoints() {
+                list.push_bind(e);
+            }
+            list.push_unseparated(")");
+        }
         if let Some(needle) = s.q.as_deref().map(str::trim).filter(|n| !n.is_empty()) {
             // One indexed lookup per kind of id; a trace id the gateway made is its request id.
             q.push(" AND id IN (SELECT id FROM requests WHERE id = ")

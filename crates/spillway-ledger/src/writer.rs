@@ -1582,6 +1582,12 @@ mod search_tests {
             if n == 8 {
                 r.trace_id = "4bf92f3577b34da6a3ce929d0e0e4736".into();
             }
+            if n % 40 == 3 {
+                r.endpoint = "/v1/embeddings".into();
+            }
+            if n == 9 {
+                r.endpoint = "/v1beta/models/{model}:batchEmbedContents".into();
+            }
             ledger.put_request(r).await.unwrap();
         }
         ledger.flush().await.unwrap();
@@ -1626,6 +1632,25 @@ mod search_tests {
             ..Search::default()
         };
         assert_eq!(ledger.search(&range).await.unwrap().items.len(), 10);
+
+        let by_api = |api| Search {
+            api: Some(api),
+            ..Search::default()
+        };
+        let embeddings = ledger
+            .search(&by_api(spillway_wire::Api::Embeddings))
+            .await
+            .unwrap()
+            .items;
+        assert_eq!(embeddings.len(), 4, "3 OpenAI and 1 Gemini embedding requests");
+        assert!(
+            ledger
+                .search(&by_api(spillway_wire::Api::CountTokens))
+                .await
+                .unwrap()
+                .items
+                .is_empty()
+        );
 
         let find = |q: &str| {
             let l = ledger.clone();

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 /// What a request asks of the provider. Each format serves several: the gateway admits,
 /// routes, retries and records them all alike, and only what differs is told apart here.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "ts", derive(ts_rs::TS))]
 #[serde(rename_all = "snake_case")]
 pub enum Api {
@@ -24,7 +24,40 @@ pub enum Api {
     CountTokens,
 }
 
+/// Every endpoint the gateway records, as the ledger names it (Gemini's model as a
+/// placeholder), with what it asks of the provider.
+pub const ENDPOINTS: &[(&str, Api)] = &[
+    ("/v1/chat/completions", Api::Generate),
+    ("/v1/responses", Api::Responses),
+    ("/v1/embeddings", Api::Embeddings),
+    ("/v1/messages", Api::Generate),
+    ("/v1/messages/count_tokens", Api::CountTokens),
+    ("/v1beta/models/{model}:generateContent", Api::Generate),
+    ("/v1beta/models/{model}:streamGenerateContent", Api::Generate),
+    ("/v1beta/models/{model}:embedContent", Api::Embeddings),
+    ("/v1beta/models/{model}:batchEmbedContents", Api::Embeddings),
+    ("/v1beta/models/{model}:countTokens", Api::CountTokens),
+    ("/v1/models/{model}:generateContent", Api::Generate),
+    ("/v1/models/{model}:streamGenerateContent", Api::Generate),
+    ("/v1/models/{model}:embedContent", Api::Embeddings),
+    ("/v1/models/{model}:batchEmbedContents", Api::Embeddings),
+    ("/v1/models/{model}:countTokens", Api::CountTokens),
+];
+
 impl Api {
+    /// The API a recorded endpoint serves (`Generate` for one not in [`ENDPOINTS`]).
+    pub fn of_endpoint(endpoint: &str) -> Api {
+        ENDPOINTS
+            .iter()
+            .find(|(e, _)| *e == endpoint)
+            .map_or(Api::Generate, |(_, a)| *a)
+    }
+
+    /// The recorded endpoints that serve this API.
+    pub fn endpoints(self) -> impl Iterator<Item = &'static str> {
+        ENDPOINTS.iter().filter(move |(_, a)| *a == self).map(|(e, _)| *e)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Api::Generate => "generate",
