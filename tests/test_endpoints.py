@@ -142,6 +142,22 @@ def test_embeddings_fail_over_across_channels_of_the_model(gateway_factory):
     assert (raw.headers["x-spillway-channel"], raw.headers["x-spillway-attempts"]) == (b, "2")
 
 
+def test_idempotency_keys_hold_for_embeddings_and_responses(gateway):
+    # spec: I2
+    client = oa(gateway)
+    for create in (
+        lambda h: client.embeddings.with_raw_response.create(model=EMBED_MODELS["openai"], input="once", extra_headers=h),
+        lambda h: client.responses.with_raw_response.create(model=MODELS["openai"], input="once", extra_headers=h),
+    ):
+        before = gateway.calls("openai")
+        key = {"Idempotency-Key": f"k-{before}"}
+        first, again = create(key), create(key)
+        assert again.headers["x-spillway-idempotent-replay"] == "true"
+        assert again.headers["x-spillway-replay-of"] == first.headers["x-request-id"]
+        assert again.text == first.text
+        assert gateway.calls("openai") == before + 1, "the repeat made no upstream call"
+
+
 def test_gemini_embeddings_one_and_batch(gateway):
     # spec: A1
     client = gm(gateway)

@@ -2,10 +2,12 @@
 //! `GET`/`DELETE /v1/responses/{id}`, `GET .../input_items`, `POST .../cancel`. Only the
 //! channel (the provider account) that stored a response can find it, so each goes to the
 //! channel the ledger recorded for it, for the gateway key that created it and no other.
-//! They are metadata calls: passed through as they are, not retried, metered or billed.
+//! They are metadata calls: passed through as they are (within the key's limits), not
+//! retried, metered or billed.
 
 use crate::error::GatewayError;
-use crate::ingress::{authenticate, refuse_without_row};
+use crate::ingress::{authenticate, read_body, refuse_without_row};
+use crate::limits::KEY_WAIT;
 use crate::server::ConnState;
 use crate::state::AppState;
 use crate::upstream::{FORWARDED_HEADERS, upstream_url};
@@ -56,6 +58,9 @@ pub(crate) async fn holder(
 /// `/v1/responses/{id}` and `/v1/responses/{id}/{action}`.
 pub async fn follow_up(State(st): State<Arc<AppState>>, req: Request) -> Response {
     let format = Format::OpenAi;
+    if st.shutdown.draining.is_cancelled() {
+        return GatewayError::ShuttingDown.into_response(format);
+    }
     let conn = req.extensions().get::<Arc<ConnState>>().cloned();
     let key = match authenticate(&st, format, req.headers(), req.uri()) {
         Ok(k) => k,
@@ -82,10 +87,21 @@ pub async fn follow_up(State(st): State<Arc<AppState>>, req: Request) -> Respons
         return not_found();
     };
     let ch = &channel.cfg;
+    // Each is a call to the provider: it takes room on the key like any other.
+    let _slot = match key.limits.acquire(KEY_WAIT, true).await {
+        Ok(slot) => slot,
+        Err(over) => {
+            return GatewayError::KeyLimited {
+                retry_after_s: over.retry_after_s,
+            }
+            .into_response(format);
+        }
+    };
     let (parts, body) = req.into_parts();
-    let body = match axum::body::to_bytes(body, st.config.max_body_bytes as usize).await {
+    let deadline = Duration::from_millis(st.config.server.body_read_timeout_ms);
+    let body = match read_body(body, st.config.max_body_bytes, deadline).await {
         Ok(b) => b,
-        Err(_) => return GatewayError::BodyRead.into_response(format),
+        Err(e) => return e.into_response(format),
     };
     let mut rb = st
         .client

@@ -338,7 +338,7 @@ fn is_json(headers: &HeaderMap) -> bool {
     })
 }
 
-async fn read_body(body: Body, limit: u64, deadline: Duration) -> Result<Bytes, GatewayError> {
+pub(crate) async fn read_body(body: Body, limit: u64, deadline: Duration) -> Result<Bytes, GatewayError> {
     match tokio::time::timeout(deadline, Limited::new(body, limit as usize).collect()).await {
         Err(_) => Err(GatewayError::BodyTimeout {
             ms: clock::ms(deadline),

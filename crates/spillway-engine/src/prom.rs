@@ -114,7 +114,12 @@ impl Prom {
                 gauge("spillway_cost_usd", &l, f.cost_usd);
                 counter("spillway_requests_cost_unknown_total", &l, f.cost_unknown);
                 for (class, n) in &f.errors_by_class {
-                    let l = [l[0].clone(), l[1].clone(), l[2].clone(), ("class", class.as_str().to_owned())];
+                    let l = [
+                        l[0].clone(),
+                        l[1].clone(),
+                        l[2].clone(),
+                        ("class", class.as_str().to_owned()),
+                    ];
                     counter("spillway_attempt_failures_total", &l, *n);
                 }
             }

@@ -1202,8 +1202,14 @@ async fn n4_metrics_are_prometheus_text_with_bounded_labels() {
             .parse()
             .unwrap()
     };
-    assert_eq!(value(r#"spillway_requests_total{route="openai/m",owner="team",api="generate"}"#), 2.0);
-    assert_eq!(value(r#"spillway_attempts_total{route="openai/m",owner="team",api="generate"}"#), 3.0);
+    assert_eq!(
+        value(r#"spillway_requests_total{route="openai/m",owner="team",api="generate"}"#),
+        2.0
+    );
+    assert_eq!(
+        value(r#"spillway_attempts_total{route="openai/m",owner="team",api="generate"}"#),
+        3.0
+    );
     assert_eq!(
         value(r#"spillway_attempt_failures_total{route="openai/m",owner="team",api="generate",class="overload"}"#),
         1.0
