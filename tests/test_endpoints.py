@@ -109,6 +109,49 @@ def test_stored_responses_are_followed_up_on_the_channel_that_stored_them(gatewa
     assert gw.group_calls("openai")[0] == before[0], "nothing went to the channel that does not hold it"
 
 
+def test_responses_take_a_list_of_input_items(gateway):
+    # spec: A1, A5
+    client = oa(gateway)
+    resp = client.responses.create(model=MODELS["openai"], input=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+    ])
+    assert resp.output_text.startswith("Queues absorb bursts")
+
+
+def test_another_keys_stored_response_cannot_be_continued_or_read(gateway_factory):
+    # spec: B5, D4
+    other = "sk-other-" + "b" * 24
+    gw = gateway_factory(key_yaml=f"  - name: other\n    owner: team-a\n    secret_env: OTHER_KEY",
+                         env={"OTHER_KEY": other})
+    first = oa(gw).responses.create(model=MODELS["openai"], input="mine")
+    stranger = openai.OpenAI(base_url=gw.url + "/v1", api_key=other, max_retries=0)
+    calls = gw.calls("openai")
+    with pytest.raises(openai.NotFoundError) as e:
+        stranger.responses.create(model=MODELS["openai"], input="and then?", previous_response_id=first.id)
+    assert "with this API key" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        stranger.responses.retrieve(first.id)
+    assert gw.calls("openai") == calls, "nothing reached the provider for the stranger"
+
+
+def test_a_stored_response_is_found_while_it_still_streams(gateway_factory):
+    # spec: D4
+    gw = gateway_factory(group=2)
+    for ch in gw.groups["openai"]:
+        gw.sim.set(ch, tokens_per_second=20)
+    client = oa(gw)
+    rid, found = None, None
+    for ev in client.responses.create(model=MODELS["openai"], input="slowly", stream=True):
+        if ev.type == "response.created":
+            rid = ev.response.id
+        elif ev.type == "response.output_text.delta" and found is None:
+            # Output has begun; the stream runs for about half a second more.
+            found = client.responses.retrieve(rid)
+    assert found is not None and found.id == rid
+
+
 def test_responses_refuses_a_body_without_model_naming_the_field(gateway):
     # spec: A5
     r = httpx.post(f"{gateway.url}/v1/responses", headers={"authorization": f"Bearer {gateway.key}"},
@@ -232,6 +275,12 @@ def test_each_format_looks_up_one_model(gateway):
         an(gateway).models.retrieve("no-such-model")
     r = httpx.get(f"{gateway.url}/v1beta/models/no-such-model", headers={"x-goog-api-key": gateway.key})
     assert r.status_code == 404 and r.json()["error"]["status"] == "NOT_FOUND"
+    # A Gemini SDK on `v1` asks under /v1/models with its own key header; an OpenAI
+    # fine-tuned model's id has colons and is still OpenAI's.
+    r = httpx.get(f"{gateway.url}/v1/models/{MODELS['gemini']}", headers={"x-goog-api-key": gateway.key})
+    assert r.status_code == 200 and r.json()["name"] == f"models/{MODELS['gemini']}"
+    r = httpx.get(f"{gateway.url}/v1/models/ft:gpt-4o-mini:org::abc", headers={"authorization": f"Bearer {gateway.key}"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize("path,headers,shape", [

@@ -402,7 +402,11 @@ impl Control {
     }
 
     /// D4: `channel` served the conversation; later turns go there while it is in rotation.
+    /// Conversation 0 is none (embeddings, token counts, a Responses turn without input).
     pub fn pin(&self, conversation: u64, channel: &ChannelRt) {
+        if conversation == 0 {
+            return;
+        }
         let mut p = lock(&self.pins);
         p.tick += 1;
         let tick = p.tick;

@@ -9,12 +9,18 @@ use http::{HeaderValue, StatusCode, header};
 use spillway_ledger::GatewayClass;
 use spillway_wire::{ErrorKind, Format, RequestError, error_body};
 
-/// A path as an error names it: at most 120 characters of it.
-fn shown_path(path: &str) -> String {
-    match path.char_indices().nth(120) {
-        Some((i, _)) => format!("{}...", &path[..i]),
-        None => path.to_owned(),
+/// A method or path as an error names it: at most 120 characters, anything but
+/// printable ASCII shown as `?` (a path may carry raw UTF-8, bidi controls included).
+fn shown(text: &str) -> String {
+    let mut out: String = text
+        .chars()
+        .take(120)
+        .map(|c| if c.is_ascii_graphic() { c } else { '?' })
+        .collect();
+    if text.chars().nth(120).is_some() {
+        out.push_str("...");
     }
+    out
 }
 
 /// A wait as `retry-after` says it: whole seconds, rounded up, never 0 (A8).
@@ -26,7 +32,8 @@ pub fn retry_after_secs(wait: std::time::Duration) -> u64 {
 const ENDPOINTS: &str = "POST /v1/chat/completions, /v1/responses and /v1/embeddings (OpenAI); \
     POST /v1/messages and /v1/messages/count_tokens (Anthropic); POST /v1beta/models/{model}:generateContent, \
     :streamGenerateContent, :embedContent, :batchEmbedContents and :countTokens (Gemini); \
-    GET /v1/models, /v1/models/{model}, /v1beta/models and /v1beta/models/{model}";
+    GET /v1/models, /v1/models/{model}, /v1beta/models and /v1beta/models/{model}; GET and DELETE \
+    /v1/responses/{id} (with /input_items and /cancel) for responses stored through this gateway";
 
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
@@ -99,13 +106,18 @@ pub enum GatewayError {
         "The gateway failed while handling this request; it was recorded. This is a bug in the gateway, not in the request."
     )]
     Internal,
-    /// A path no route serves: named (as the URI carries it, percent-encoded, so it is
-    /// printable) so the caller sees which call its SDK made.
-    #[error("No such endpoint: {method} {}. This gateway serves {ENDPOINTS}.", shown_path(.path))]
+    /// A path no route serves: named, so the caller sees which call its SDK made.
+    #[error("No such endpoint: {} {}. This gateway serves {ENDPOINTS}.", shown(.method), shown(.path))]
     NotFound { method: String, path: String },
     #[error("This endpoint does not accept this method.")]
     MethodNotAllowed,
-    /// A follow-up to a stored response the ledger has no record of for this key.
+    /// `GET /v1/models/{id}` of a model no channel of the format serves.
+    #[error(
+        "No channel of the {format} format serves this model; the model list (GET /v1/models, /v1beta/models) names those it serves."
+    )]
+    UnknownModel { format: Format },
+    /// A follow-up to a stored response (or a turn naming it in `previous_response_id`)
+    /// the ledger has no record of for this key.
     #[error("No stored response with that id was created through this gateway with this API key.")]
     UnknownResponse,
     /// I2: a malformed `Idempotency-Key` header.
@@ -162,9 +174,10 @@ impl GatewayError {
             GatewayError::IdempotencyInProgress { .. }
             | GatewayError::IdempotencyUnknown { .. }
             | GatewayError::IdempotencyNotKept { .. } => ErrorKind::Conflict,
-            GatewayError::NoChannel { .. } | GatewayError::NotFound { .. } | GatewayError::UnknownResponse => {
-                ErrorKind::NotFound
-            }
+            GatewayError::NoChannel { .. }
+            | GatewayError::NotFound { .. }
+            | GatewayError::UnknownResponse
+            | GatewayError::UnknownModel { .. } => ErrorKind::NotFound,
             GatewayError::MethodNotAllowed => ErrorKind::MethodNotAllowed,
             GatewayError::CapacityBusy { .. }
             | GatewayError::CapacityQueueFull { .. }
@@ -201,6 +214,7 @@ impl GatewayError {
             GatewayError::NoChannel { .. }
             | GatewayError::NotFound { .. }
             | GatewayError::UnknownResponse
+            | GatewayError::UnknownModel { .. }
             | GatewayError::MethodNotAllowed => GatewayClass::NoChannel,
             GatewayError::CapacityBusy { .. } => GatewayClass::CapacityBusy,
             GatewayError::CapacityQueueFull { .. } => GatewayClass::CapacityQueueFull,

@@ -12,9 +12,9 @@ use crate::server::ConnState;
 use crate::state::AppState;
 use crate::upstream::{FORWARDED_HEADERS, upstream_url};
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::{Path, Request, State};
 use axum::response::Response;
-use futures_util::TryStreamExt;
+use futures_util::{StreamExt, TryStreamExt};
 use http::header;
 use spillway_wire::Format;
 use std::sync::Arc;
@@ -56,7 +56,11 @@ pub(crate) async fn holder(
 }
 
 /// `/v1/responses/{id}` and `/v1/responses/{id}/{action}`.
-pub async fn follow_up(State(st): State<Arc<AppState>>, req: Request) -> Response {
+pub async fn follow_up(
+    State(st): State<Arc<AppState>>,
+    Path(params): Path<Vec<(String, String)>>,
+    req: Request,
+) -> Response {
     let format = Format::OpenAi;
     if st.shutdown.draining.is_cancelled() {
         return GatewayError::ShuttingDown.into_response(format);
@@ -66,29 +70,10 @@ pub async fn follow_up(State(st): State<Arc<AppState>>, req: Request) -> Respons
         Ok(k) => k,
         Err(e) => return refuse_without_row(&st, format, conn.as_ref(), e),
     };
-    let id = req
-        .uri()
-        .path()
-        .trim_start_matches("/v1/responses/")
-        .split('/')
-        .next()
-        .unwrap_or_default()
-        .to_owned();
-    let not_found = || GatewayError::UnknownResponse.into_response(format);
-    let held = match holder(&st, &key.key.name, &id).await {
-        Ok(Some(c)) => Some(c),
-        Ok(None) => return not_found(),
-        Err(e) => {
-            tracing::error!(error = %e, "could not look up a stored response");
-            return GatewayError::LedgerUnavailable.into_response(format);
-        }
-    };
-    let Some(channel) = st.channels.iter().find(|c| Some(&c.cfg.name) == held.as_ref()) else {
-        return not_found();
-    };
-    let ch = &channel.cfg;
-    // Each is a call to the provider: it takes room on the key like any other.
-    let _slot = match key.limits.acquire(KEY_WAIT, true).await {
+    // Each is a call to the provider: it takes room on the key like any other, before
+    // anything else is done for it (a client probing ids pays its rate too). The slot is
+    // held until the answer has been passed on, streamed or not.
+    let slot = match key.limits.acquire(KEY_WAIT, true).await {
         Ok(slot) => slot,
         Err(over) => {
             return GatewayError::KeyLimited {
@@ -97,6 +82,24 @@ pub async fn follow_up(State(st): State<Arc<AppState>>, req: Request) -> Respons
             .into_response(format);
         }
     };
+    let id = params
+        .into_iter()
+        .find(|(k, _)| k == "id")
+        .map(|(_, v)| v)
+        .unwrap_or_default();
+    let not_found = || GatewayError::UnknownResponse.into_response(format);
+    let held = match holder(&st, &key.key.name, &id).await {
+        Ok(Some(c)) => c,
+        Ok(None) => return not_found(),
+        Err(e) => {
+            tracing::error!(error = %e, "could not look up a stored response");
+            return GatewayError::LedgerUnavailable.into_response(format);
+        }
+    };
+    let Some(channel) = st.channels.iter().find(|c| c.cfg.name == held) else {
+        return not_found();
+    };
+    let ch = &channel.cfg;
     let (parts, body) = req.into_parts();
     let deadline = Duration::from_millis(st.config.server.body_read_timeout_ms);
     let body = match read_body(body, st.config.max_body_bytes, deadline).await {
@@ -105,10 +108,7 @@ pub async fn follow_up(State(st): State<Arc<AppState>>, req: Request) -> Respons
     };
     let mut rb = st
         .client
-        .request(parts.method.clone(), upstream_url(&ch.base_url, format, &parts.uri))
-        .timeout(Duration::from_millis(
-            ch.timeout_ms.unwrap_or(st.config.attempt_timeout_ms),
-        ));
+        .request(parts.method.clone(), upstream_url(&ch.base_url, format, &parts.uri));
     if !body.is_empty() {
         rb = rb.header(header::CONTENT_TYPE, "application/json").body(body);
     }
@@ -120,22 +120,33 @@ pub async fn follow_up(State(st): State<Arc<AppState>>, req: Request) -> Respons
     if let Some(k) = &ch.api_key {
         rb = rb.bearer_auth(k);
     }
-    let up = match rb.send().await {
-        Ok(r) => r,
-        Err(e) => {
-            let message = format!(
-                "the channel that stored this response did not answer: {}",
-                e.without_url()
-            );
-            return GatewayError::Upstream {
-                kind: spillway_wire::ErrorKind::Upstream,
-                message: spillway_ledger::truncate(message, 512),
-                retry_after_ms: None,
-                futile: false,
-            }
-            .into_response(format);
+    // The answer's headers within the attempt timeout; a resumed stream
+    // (`?stream=true`) then runs as long as the provider sends.
+    let wait = Duration::from_millis(ch.timeout_ms.unwrap_or(st.config.attempt_timeout_ms));
+    let failed = |why: String| {
+        GatewayError::Upstream {
+            kind: spillway_wire::ErrorKind::Upstream,
+            message: spillway_ledger::truncate(
+                format!("the channel that stored this response did not answer: {why}"),
+                512,
+            ),
+            retry_after_ms: None,
+            futile: false,
         }
+        .into_response(format)
     };
+    let up = match tokio::time::timeout(wait, rb.send()).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return failed(e.without_url().to_string()),
+        Err(_) => return failed(format!("no response headers within {} ms", wait.as_millis())),
+    };
+    // P3: the provider's answer to the channel's credentials may quote part of its key.
+    if matches!(up.status().as_u16(), 401 | 403) {
+        return failed(format!(
+            "the provider refused the channel's credentials ({})",
+            up.status().as_u16()
+        ));
+    }
     let mut out = Response::builder().status(up.status().as_u16());
     for name in [header::CONTENT_TYPE, header::CACHE_CONTROL] {
         if let Some(v) = up.headers().get(&name) {
@@ -143,7 +154,10 @@ pub async fn follow_up(State(st): State<Arc<AppState>>, req: Request) -> Respons
         }
     }
     out = out.header("x-spillway-channel", ch.name.as_str());
-    let stream = up.bytes_stream().map_err(std::io::Error::other);
+    let stream = up.bytes_stream().map_err(std::io::Error::other).map(move |chunk| {
+        let _held = &slot;
+        chunk
+    });
     out.body(Body::from_stream(stream))
         .unwrap_or_else(|_| GatewayError::Internal.into_response(format))
 }

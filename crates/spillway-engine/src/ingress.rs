@@ -481,13 +481,23 @@ async fn handle<C: Caller>(
         .flatten();
     let mut candidates = routing::candidates(&st, format, &parsed.model, pinned.as_deref());
     // A Responses turn after a stored response goes where that response is stored: no
-    // other channel (another account) can find it. Gone from the group, it is routed as
-    // any request, and the provider says whether it can continue.
-    if let Some(prev) = &parsed.previous_response_id
-        && let Ok(Some(held)) = crate::followup::holder(&st, &key.key.name, prev).await
-        && candidates.iter().any(|c| *c.cfg.name == *held)
-    {
-        candidates.retain(|c| *c.cfg.name == *held);
+    // other channel (another account) can find it. Only a response this key created may
+    // be continued: channels are accounts shared by every key, so an id learnt elsewhere
+    // must not open another key's conversation. A holder gone from the group is routed
+    // as any request, and the provider says whether it can continue.
+    if let Some(prev) = &parsed.previous_response_id {
+        match crate::followup::holder(&st, &key.key.name, prev).await {
+            Ok(Some(held)) => {
+                if candidates.iter().any(|c| *c.cfg.name == *held) {
+                    candidates.retain(|c| *c.cfg.name == *held);
+                }
+            }
+            Ok(None) => return life.close(End::refused(GatewayError::UnknownResponse)).await,
+            Err(e) => {
+                tracing::error!(error = %e, "could not look up a stored response");
+                return life.close(End::refused(GatewayError::LedgerUnavailable)).await;
+            }
+        }
     }
     if candidates.is_empty() {
         return life.close(End::refused(GatewayError::NoChannel { format })).await;

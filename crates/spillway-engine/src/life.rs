@@ -524,8 +524,10 @@ impl Life {
         let mut att = primed.att.clone();
         apply_usage(&mut self.rec, &mut att, &watch.usage);
         self.rec.first_token_at = watch.first_token_at;
-        self.rec.response_id = watch.response_id.take();
-        crate::followup::remember(&self.st, &self.rec);
+        if self.rec.response_id.is_none() {
+            self.rec.response_id = watch.response_id.take();
+            crate::followup::remember(&self.st, &self.rec);
+        }
         att.finished_at = Some(now);
         att.http_status = Some(200);
         let failure: Option<(FailureClass, String, RequestState)> = match end {

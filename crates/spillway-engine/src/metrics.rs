@@ -160,7 +160,7 @@ pub struct Headline {
     pub rejected_last_minute: u64,
 }
 
-/// Running figures for one route (provider, model, owner).
+/// Running figures for one route (provider, model, owner, API).
 #[derive(Clone, Debug, Serialize, TS)]
 pub struct RouteFigures {
     pub provider: Format,

@@ -26,10 +26,18 @@ fn models_for(st: &AppState, format: Format) -> Vec<String> {
     m
 }
 
-/// The Anthropic SDK sends `anthropic-version`; everything else on `/v1/models` is OpenAI.
-fn format_of(headers: &HeaderMap) -> Format {
+/// Whose SDK asks, from where it puts its key: the Anthropic SDK sends
+/// `anthropic-version` (and `x-api-key`), Google's `x-goog-api-key` (or `?key=`);
+/// everything else on `/v1/models` is OpenAI.
+fn format_of(headers: &HeaderMap, uri: &axum::http::Uri) -> Format {
     if headers.contains_key("anthropic-version") || headers.contains_key("x-api-key") {
         Format::Anthropic
+    } else if headers.contains_key("x-goog-api-key")
+        || uri
+            .query()
+            .is_some_and(|q| q.split('&').any(|kv| kv.starts_with("key=")))
+    {
+        Format::Gemini
     } else {
         Format::OpenAi
     }
@@ -54,7 +62,11 @@ fn refusal(st: &AppState, format: Format, req: &Request) -> Option<Response> {
 
 /// `GET /v1/models`.
 pub async fn list(State(st): State<Arc<AppState>>, req: Request) -> Response {
-    let format = format_of(req.headers());
+    let format = match format_of(req.headers(), req.uri()) {
+        // Gemini lists its models under `/v1beta/models` (and `/v1/models` on `v1`).
+        Format::Gemini => return list_gemini(State(st), req).await,
+        f => f,
+    };
     if let Some(r) = refusal(&st, format, &req) {
         return r;
     }
@@ -81,29 +93,25 @@ pub async fn list_gemini(State(st): State<Arc<AppState>>, req: Request) -> Respo
     axum::Json(json!({"models": models})).into_response()
 }
 
-/// One model in `format`'s shape, or a 404 in that format naming it.
+/// One model in `format`'s shape, or a 404 in that format.
 fn one(st: &AppState, format: Format, req: &Request, id: &str) -> Response {
     if let Some(r) = refusal(st, format, req) {
         return r;
     }
-    if models_for(st, format).iter().any(|m| m == id) {
+    // Served by name, or by a channel that serves any model (`*`) of the format.
+    if st.channels.iter().any(|c| c.cfg.format == format && c.cfg.serves(id)) {
         return axum::Json(describe(format, id)).into_response();
     }
-    GatewayError::NoChannel { format }.into_response(format)
+    GatewayError::UnknownModel { format }.into_response(format)
 }
 
-/// `GET /v1/models/{id}` (OpenAI or Anthropic). A Gemini `model:action` path is only
-/// ever POSTed.
+/// `GET /v1/models/{id}`, in the shape of the SDK that asks (a Gemini SDK on `v1` too).
 pub async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>, req: Request) -> Response {
-    let format = if id.contains(':') {
-        Format::Gemini
-    } else {
-        format_of(req.headers())
-    };
+    let format = format_of(req.headers(), req.uri());
     one(&st, format, &req, &id)
 }
 
-/// `GET /v1beta/models/{id}`; the SDKs may send it as `models/{id}` too.
+/// `GET /v1beta/models/{id}`.
 pub async fn gemini_model(State(st): State<Arc<AppState>>, Path(id): Path<String>, req: Request) -> Response {
-    one(&st, Format::Gemini, &req, id.strip_prefix("models/").unwrap_or(&id))
+    one(&st, Format::Gemini, &req, &id)
 }

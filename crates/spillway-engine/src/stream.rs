@@ -275,7 +275,13 @@ pub struct StreamBody {
 }
 
 impl StreamBody {
-    pub fn new(primed: Primed, life: Life) -> StreamBody {
+    pub fn new(primed: Primed, mut life: Life) -> StreamBody {
+        // The Responses API names the response in its first event, and a client may
+        // follow it up (GET, cancel, its next turn) before this stream ends.
+        if let Some(id) = &primed.watch.response_id {
+            life.rec.response_id = Some(id.clone());
+            crate::followup::remember(life.st(), &life.rec);
+        }
         let idle_timeout = primed.idle_timeout;
         let idle = Box::pin(tokio::time::sleep(idle_timeout));
         let cancel = Box::pin(life.st().shutdown.cancel.clone().cancelled_owned());

@@ -37,8 +37,9 @@ const WAL_RESTART_BYTES: u64 = 16 * 1024 * 1024;
 /// The WAL file is truncated back to this many bytes after it restarts.
 const WAL_SIZE_LIMIT: u64 = WAL_RESTART_BYTES;
 
-/// SQLite allows 32766 bound parameters per statement and a batch row binds 61.
-const ROWS_PER_STATEMENT: usize = 500;
+/// SQLite allows 32766 bound parameters per statement; a batch row binds one per
+/// column of the view (see the assertion below).
+pub(crate) const ROWS_PER_STATEMENT: usize = 500;
 
 /// The largest batch that keeps its prepared statement. Larger ones come only under heavy
 /// load, where compiling is shared by many rows, and would fill the cache with big
@@ -52,7 +53,10 @@ const CACHED_ROWS: usize = 64;
 fn size_class(rows: usize) -> usize {
     match rows {
         0..=16 => rows.max(1),
-        17..=CACHED_ROWS => rows.next_power_of_two(),
+        17..=24 => 24,
+        25..=32 => 32,
+        33..=48 => 48,
+        49..=CACHED_ROWS => CACHED_ROWS,
         _ => rows,
     }
 }
@@ -354,6 +358,11 @@ fn columns(list: &str) -> impl Iterator<Item = &str> {
 /// batch of several statements (requests, attempts, BEGIN and COMMIT) cost a wake-up of
 /// the writer task per statement, each from sqlx's worker thread; one statement costs
 /// one. It commits (and syncs) in autocommit, all rows or none.
+/// Values a batch row binds: its kind and every column of the three row kinds.
+pub(crate) fn row_width() -> usize {
+    1 + columns(REQUEST_COLUMNS).count() + columns(ATTEMPT_COLUMNS).count() + columns(PAYLOAD_COLUMNS).count()
+}
+
 static BATCH_VIEW: LazyLock<String> = LazyLock::new(|| {
     let names: Vec<String> = std::iter::once("kind".to_owned())
         .chain(columns(REQUEST_COLUMNS).map(|c| format!("r_{c}")))
@@ -422,7 +431,7 @@ fn insert_batch(q: &mut QueryBuilder<Sqlite>, rows: &[BatchRow<'_>]) {
                 .push_bind(r.map(|r| r.content_type.clone()))
                 .push_bind(r.map(|r| r.body.clone()));
         }
-        None => nulls(&mut b, 1 + requests + attempts + payloads),
+        None => nulls(&mut b, row_width()),
     });
 }
 

@@ -492,11 +492,12 @@ impl Ledger {
         self.backend.record_transition(state, audit).await
     }
 
-    /// I2: the newest request under `idempotency_key` for `key_name` since `since`.
+    /// The request of gateway key `key_name` whose provider stored `response_id`.
     pub async fn by_response_id(&self, key_name: &str, response_id: &str) -> Result<Option<RequestRecord>> {
         self.backend.by_response_id(key_name, response_id).await
     }
 
+    /// I2: the newest request under `idempotency_key` for `key_name` since `since`.
     pub async fn keyed(
         &self,
         key_name: &str,
@@ -1462,10 +1463,15 @@ mod tests {
     async fn batches_of_any_size_write_every_row_and_nothing_else() {
         // Batches are padded to a size class with rows of no kind: those must write
         // nothing, and a batch over one statement's rows must still write all of its own.
+        let width = crate::sqlite::row_width();
+        assert!(
+            crate::sqlite::ROWS_PER_STATEMENT * width <= 32766,
+            "a full statement of {width}-value rows binds more than SQLite allows"
+        );
         let dir = tempfile::tempdir().unwrap();
         let backend = SqliteBackend::open(&dir.path().join("l.db")).await.unwrap();
         let mut written = 0;
-        for n in [1usize, 3, 16, 17, 100, 300, 700] {
+        for n in [1usize, 3, 16, 17, 30, 40, 100, 300, 700] {
             let reqs: Vec<_> = (0..n)
                 .map(|i| rec(&format!("b{n:04}-{i:04}"), RequestState::Done))
                 .collect();
@@ -1497,7 +1503,7 @@ mod tests {
             }
         }
         assert_eq!(found, written, "rows of no kind wrote something, or rows went missing");
-        assert_eq!(backend.figures(UnixMs(0)).await.unwrap().payloads, 7);
+        assert_eq!(backend.figures(UnixMs(0)).await.unwrap().payloads, 9);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -198,25 +198,19 @@ struct AnthropicMessages {
 }
 
 #[derive(Deserialize)]
-struct OpenAiResponses {
+struct OpenAiResponses<'a> {
     model: String,
-    /// A string or a list of input items (absent with a stored prompt template).
-    #[serde(default)]
-    input: Option<ResponsesInput>,
+    /// A string or a list of input items (absent with a stored prompt template). Read
+    /// raw and told apart by hand: an untagged enum would buffer the list, and a message
+    /// list reads its items raw, which a buffered copy cannot give.
+    #[serde(default, borrow)]
+    input: Option<&'a serde_json::value::RawValue>,
     #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
     max_output_tokens: Option<u64>,
     #[serde(default)]
     previous_response_id: Option<String>,
-}
-
-/// Responses `input`: a string, or a list of items hashed like a message list.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum ResponsesInput {
-    Text(String),
-    Items(Messages),
 }
 
 #[derive(Deserialize)]
@@ -424,16 +418,24 @@ pub fn parse_request(
         }
         (Format::OpenAi, Api::Responses) => {
             let r: OpenAiResponses = decode(body)?;
-            let (conversation, continuation) = match &r.input {
-                Some(ResponsesInput::Items(m)) => {
+            let (conversation, continuation) = match r.input.map(|raw| raw.get()) {
+                Some(raw) if raw.starts_with('[') => {
+                    let m: Messages = serde_json::from_str(raw)
+                        .map_err(|_| RequestError::new(Some("input"), "expected a list of input items"))?;
                     non_empty("input", m.len)?;
                     (m.opening, m.more)
                 }
-                Some(ResponsesInput::Text(t)) => {
+                Some(raw) if raw.starts_with('"') => {
                     use std::hash::{Hash, Hasher};
                     let mut h = std::collections::hash_map::DefaultHasher::new();
-                    t.hash(&mut h);
+                    raw.hash(&mut h);
                     (h.finish(), false)
+                }
+                Some(_) => {
+                    return Err(RequestError::new(
+                        Some("input"),
+                        "expected a string or a list of input items",
+                    ));
                 }
                 None => (0, false),
             };
@@ -445,8 +447,9 @@ pub fn parse_request(
                 max_output_tokens: r.max_output_tokens,
                 estimated_input_tokens,
                 conversation,
-                // A turn that names the response it follows continues a conversation.
-                continuation: continuation || r.previous_response_id.is_some(),
+                // A turn naming the response it follows is routed by that response (its
+                // holder), not by a hash of this turn's text.
+                continuation,
                 previous_response_id: r.previous_response_id,
             }
         }
@@ -546,10 +549,19 @@ mod tests {
             None,
             r#"{"model":"gpt-4o-mini","input":"and then?","previous_response_id":"resp_1"}"#,
         );
-        assert!(
-            r.continuation,
-            "a turn after a stored response continues its conversation"
+        assert_eq!(r.previous_response_id.as_deref(), Some("resp_1"));
+        // The list form: messages, tool output, images, as the SDKs send multi-turn input.
+        let items = r#"{"model":"m","input":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"input_text","text":"hi"}]},
+            {"type":"function_call_output","call_id":"c1","output":"42"}]}"#;
+        let r = ok(Format::OpenAi, Api::Responses, None, items);
+        assert!(r.continuation, "items after the opening continue a conversation");
+        let opening = ok(
+            Format::OpenAi,
+            Api::Responses,
+            None,
+            r#"{"model":"m","input":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"input_text","text":"hi"}]}]}"#,
         );
+        assert_eq!((opening.conversation, opening.continuation), (r.conversation, false));
         assert_eq!(
             ok(
                 Format::OpenAi,
@@ -585,6 +597,8 @@ mod tests {
         ok(Format::Gemini, Api::CountTokens, Some("g"), r#"{"contents":[]}"#);
         let bad = [
             (Format::OpenAi, Api::Responses, r#"{"input":"x"}"#, "model"),
+            (Format::OpenAi, Api::Responses, r#"{"model":"m","input":[]}"#, "input"),
+            (Format::OpenAi, Api::Responses, r#"{"model":"m","input":7}"#, "input"),
             (Format::OpenAi, Api::Embeddings, r#"{"model":"e","input":[]}"#, "input"),
             (Format::OpenAi, Api::Embeddings, r#"{"model":"e","input":""}"#, "input"),
             (Format::OpenAi, Api::Embeddings, r#"{"model":"e"}"#, "input"),

@@ -4,7 +4,7 @@ import type { ErrorClass } from "./ErrorClass";
 import type { Format } from "./Format";
 
 /**
- * Running figures for one route (provider, model, owner).
+ * Running figures for one route (provider, model, owner, API).
  */
 export type RouteFigures = { provider: Format, model: string, owner: string, api: Api, in_flight: number, 
 /**
