@@ -12,6 +12,7 @@ import { fileURLToPath } from 'node:url'
 import OpenAI from 'openai'
 import Anthropic from '@anthropic-ai/sdk'
 import { GoogleGenAI } from '@google/genai'
+import { readLine, setSim as setSimAt } from './gateway.mjs'
 
 const here = dirname(fileURLToPath(import.meta.url))
 const root = resolve(here, '..', '..')
@@ -20,32 +21,7 @@ const SIM_CHANNELS = ['openai-sim', 'openai-sim-b', 'anthropic-sim', 'anthropic-
 
 let gateway, url, key, simUrl
 
-function readLine(proc, prefix, timeoutMs = 20_000) {
-  return new Promise((ok, fail) => {
-    let buf = ''
-    const timer = setTimeout(() => fail(new Error(`no "${prefix}" line within ${timeoutMs} ms`)), timeoutMs)
-    const onData = (d) => {
-      buf += d.toString()
-      for (const line of buf.split('\n')) {
-        if (line.startsWith(prefix)) {
-          clearTimeout(timer)
-          proc.stdout.off('data', onData)
-          ok(line.slice(prefix.length).trim())
-          return
-        }
-      }
-    }
-    proc.stdout.on('data', onData)
-    proc.on('exit', (code) => fail(new Error(`spillway exited with ${code}`)))
-  })
-}
-
-async function setSim(channel, behavior) {
-  const r = await fetch(`${simUrl}/_control/channels/${channel}`, {
-    method: 'PUT', headers: { 'content-type': 'application/json' }, body: JSON.stringify(behavior),
-  })
-  assert.equal(r.status, 200)
-}
+const setSim = (channel, behavior) => setSimAt(simUrl, channel, behavior)
 
 async function calls(channel) {
   const r = await fetch(`${simUrl}/_control/channels/${channel}`)

@@ -230,7 +230,9 @@ mod tests {
     fn the_embedded_default_targets_only_simulated_models() {
         let c = Config::parse(Path::new("demo.yaml"), EMBEDDED_DEFAULT, &|_| None, &new_demo_secret).unwrap();
         let t = simulated_targets(&c);
-        assert_eq!(t.len(), 6);
+        // Two chat models per format, and an embedding model each for OpenAI and Gemini.
+        assert_eq!(t.len(), 8);
+        assert_eq!(t.iter().filter(|t| t.embeds()).count(), 2);
         assert_eq!(c.generated.len(), 1);
         assert!(c.generated[0].secret.starts_with("sk-spillway-demo-"));
     }

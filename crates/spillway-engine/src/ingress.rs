@@ -204,13 +204,7 @@ async fn method_not_allowed(uri: Uri) -> Response {
 
 async fn gemini_action<C: Caller>(st: Arc<AppState>, caller: Arc<C>, model_action: String, req: Request) -> Response {
     let parsed = model_action.rsplit_once(':').and_then(|(model, action)| {
-        let (api, stream) = match action {
-            "generateContent" => (Api::Generate, false),
-            "streamGenerateContent" => (Api::Generate, true),
-            "embedContent" | "batchEmbedContents" => (Api::Embeddings, false),
-            "countTokens" => (Api::CountTokens, false),
-            _ => return None,
-        };
+        let (api, stream) = spillway_wire::request::gemini_action(action)?;
         Some((model.to_owned(), api, stream))
     });
     match parsed {

@@ -249,13 +249,7 @@ fn endpoint(method: &Method, rest: &str, query: &str) -> Option<Endpoint> {
                 .strip_prefix("/v1beta/models/")
                 .or_else(|| rest.strip_prefix("/v1/models/"))?;
             let (model, action) = tail.rsplit_once(':')?;
-            let (api, stream) = match action {
-                "generateContent" => (Api::Generate, false),
-                "streamGenerateContent" => (Api::Generate, true),
-                "embedContent" | "batchEmbedContents" => (Api::Embeddings, false),
-                "countTokens" => (Api::CountTokens, false),
-                _ => return None,
-            };
+            let (api, stream) = spillway_wire::request::gemini_action(action)?;
             Some(Endpoint::Generate {
                 format: Format::Gemini,
                 api,

@@ -13,6 +13,13 @@ pub struct Target {
     pub model: String,
 }
 
+impl Target {
+    /// An embedding model (by the providers' naming): it gets embedding requests.
+    pub fn embeds(&self) -> bool {
+        self.model.contains("embedding")
+    }
+}
+
 /// The request a client SDK would send for `target`.
 pub fn request(
     client: &reqwest::Client,
@@ -22,6 +29,18 @@ pub fn request(
     stream: bool,
     prompt: &str,
 ) -> reqwest::RequestBuilder {
+    if target.embeds() {
+        return match target.format {
+            Format::Gemini => client
+                .post(format!("{gateway}/v1beta/models/{}:embedContent", target.model))
+                .header("x-goog-api-key", key)
+                .json(&json!({"content": {"parts": [{"text": prompt}]}})),
+            _ => client
+                .post(format!("{gateway}/v1/embeddings"))
+                .bearer_auth(key)
+                .json(&json!({"model": target.model, "input": prompt})),
+        };
+    }
     match target.format {
         Format::OpenAi => client
             .post(format!("{gateway}/v1/chat/completions"))

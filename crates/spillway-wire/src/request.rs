@@ -44,6 +44,17 @@ pub const ENDPOINTS: &[(&str, Api)] = &[
     ("/v1/models/{model}:countTokens", Api::CountTokens),
 ];
 
+/// What a Gemini path's `:action` asks, and whether it streams.
+pub fn gemini_action(action: &str) -> Option<(Api, bool)> {
+    Some(match action {
+        "generateContent" => (Api::Generate, false),
+        "streamGenerateContent" => (Api::Generate, true),
+        "embedContent" | "batchEmbedContents" => (Api::Embeddings, false),
+        "countTokens" => (Api::CountTokens, false),
+        _ => return None,
+    })
+}
+
 impl Api {
     /// The API a recorded endpoint serves (`Generate` for one not in [`ENDPOINTS`]).
     pub fn of_endpoint(endpoint: &str) -> Api {

@@ -1,0 +1,32 @@
+// What the Node end-to-end suites share: reading the gateway's announcements and
+// steering the simulator it embeds.
+import assert from 'node:assert/strict'
+
+/** The rest of the first stdout line of `proc` that starts with `prefix`. */
+export function readLine(proc, prefix, timeoutMs = 20_000) {
+  return new Promise((ok, fail) => {
+    let buf = ''
+    const timer = setTimeout(() => fail(new Error(`no "${prefix}" line within ${timeoutMs} ms`)), timeoutMs)
+    const onData = (d) => {
+      buf += d.toString()
+      for (const line of buf.split('\n')) {
+        if (line.startsWith(prefix)) {
+          clearTimeout(timer)
+          proc.stdout.off('data', onData)
+          ok(line.slice(prefix.length).trim())
+          return
+        }
+      }
+    }
+    proc.stdout.on('data', onData)
+    proc.on('exit', (code) => fail(new Error(`spillway exited with ${code}`)))
+  })
+}
+
+/** Sets a simulated channel's behaviour (`{}` for a healthy one). */
+export async function setSim(simUrl, channel, behavior) {
+  const r = await fetch(`${simUrl}/_control/channels/${channel}`, {
+    method: 'PUT', headers: { 'content-type': 'application/json' }, body: JSON.stringify(behavior),
+  })
+  assert.equal(r.status, 200)
+}
