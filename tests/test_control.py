@@ -170,8 +170,9 @@ def test_n4_metrics_parse_as_prometheus_text(gateway):
     families = {f.name: f for f in text_string_to_metric_families(text)}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
     route = f"openai/{MODELS['openai']}"
-    assert samples[("spillway_requests_total", (("owner", "team-a"), ("route", route)))] == 1
-    assert samples[("spillway_attempts_total", (("owner", "team-a"), ("route", route)))] == 2
+    by_route = (("api", "generate"), ("owner", "team-a"), ("route", route))
+    assert samples[("spillway_requests_total", by_route)] == 1
+    assert samples[("spillway_attempts_total", by_route)] == 2
     assert samples[("spillway_breaker_state", (("route", route), ("state", "closed")))] == 1
     assert families["spillway_request_duration_seconds"].type == "histogram"
     assert samples[("spillway_request_duration_seconds_count", (("route", route),))] == 1
@@ -179,7 +180,7 @@ def test_n4_metrics_parse_as_prometheus_text(gateway):
     # Bounded labels: only config and enum values, whatever clients send.
     for (name, labels), _ in samples.items():
         for k, _v in labels:
-            assert k in {"route", "owner", "channel", "class", "state", "window", "le"}, (name, k)
+            assert k in {"route", "owner", "api", "channel", "class", "state", "window", "le"}, (name, k)
 
 
 def test_n1_otel_each_request_is_a_span_with_a_child_per_attempt(tmp_path, sim):
