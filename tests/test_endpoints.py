@@ -152,6 +152,33 @@ def test_a_stored_response_is_found_while_it_still_streams(gateway_factory):
     assert found is not None and found.id == rid
 
 
+@pytest.mark.parametrize("fault,runs_again", [
+    ({"kind": "status", "status": 500}, False),
+    ({"kind": "cut_before_first_token"}, False),
+    ({"kind": "status", "status": 503}, True),
+    ({"kind": "status", "status": 429}, True),
+])
+def test_a_request_whose_provider_may_act_is_not_run_twice(gateway_factory, fault, runs_again):
+    # spec: D2, E2, F2
+    gw = gateway_factory(group=2)
+    a, b = gw.groups["openai"]
+    gw.sim.set(a, fault=fault)
+    stream = fault["kind"] == "cut_before_first_token"
+    body = {"model": MODELS["openai"], "input": "file the ticket", "stream": stream,
+            "tools": [{"type": "mcp", "server_label": "tickets", "server_url": "https://mcp.example",
+                       "require_approval": "never"}]}
+    r = httpx.post(f"{gw.url}/v1/responses", headers={"authorization": f"Bearer {gw.key}"}, json=body, timeout=20)
+    if runs_again:
+        # The provider answered that it did not start: the next channel may run it.
+        assert r.status_code == 200 and gw.group_calls("openai") == [1, 1]
+        return
+    assert r.status_code >= 500, r.text
+    assert gw.group_calls("openai") == [1, 0], "a hosted tool may have run: not sent again"
+    row = gw.request_row(r.headers["x-request-id"])
+    att = gw.attempts(row["id"])
+    assert [(x["decision"], x["decision_reason"]) for x in att] == [("fail_closed", "provider_may_have_acted")]
+
+
 def test_responses_refuses_a_body_without_model_naming_the_field(gateway):
     # spec: A5
     r = httpx.post(f"{gateway.url}/v1/responses", headers={"authorization": f"Bearer {gateway.key}"},

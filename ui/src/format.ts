@@ -134,6 +134,7 @@ const STOP: Record<StopReason, string> = {
   interrupted: 'the gateway stopped during the call',
   retry_budget_exhausted: "the route's retry budget was spent",
   breaker_open: "the route's breaker opened",
+  provider_may_have_acted: 'the provider may already have acted (a hosted tool or background run)',
 }
 
 /** What happened after an attempt, in words (F2 decisions). */

@@ -203,6 +203,13 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
         let survey = routing::survey(&ctx.candidates, ctx.tokens, &tried, now);
         let decision = match retry::retryability(signal.class) {
             Retryability::Never => Decision::FailClosed(Stop::NotRetryable),
+            // A request on which the provider acts by itself is run again only when the
+            // provider answered that it did not start it (rate limit, overload, the
+            // channel's key or quota). A timeout, a 5xx, a cut or a reset may have come
+            // after a tool ran.
+            _ if ctx.parsed.acts_upstream && !retry::provider_did_not_start(signal.class) => {
+                Decision::FailClosed(Stop::ProviderMayHaveActed)
+            }
             _ if survey.ready.is_empty() && survey.soonest.is_none() => Decision::FailClosed(Stop::NoChannelLeft),
             _ => {
                 // The wait the next target asks for: none when an untried channel is ready;

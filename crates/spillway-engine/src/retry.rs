@@ -43,6 +43,15 @@ pub fn retryability(class: ErrorClass) -> Retryability {
     }
 }
 
+/// The provider answered that it refused the attempt before doing any of its work. An
+/// unreachable channel is not among them: a reset may come after the request arrived.
+pub fn provider_did_not_start(class: ErrorClass) -> bool {
+    matches!(
+        class,
+        ErrorClass::RateLimit | ErrorClass::Overload | ErrorClass::Auth | ErrorClass::Quota
+    )
+}
+
 /// Why a request stops being retried: the ledger's vocabulary (F2's fail-closed reasons
 /// and the class rules), so what is decided here is what the console shows.
 pub use spillway_ledger::StopReason as Stop;

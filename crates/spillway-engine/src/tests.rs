@@ -314,6 +314,7 @@ fn parsed(model: &str) -> ParsedRequest {
         conversation: 7,
         continuation: false,
         previous_response_id: None,
+        acts_upstream: false,
     }
 }
 

@@ -291,10 +291,13 @@ pub enum StopReason {
     RetryBudgetExhausted,
     /// G2: the route's breaker opened (or was open): nothing more is sent.
     BreakerOpen,
+    /// The provider may have acted on the request's behalf (a hosted tool, a background
+    /// run) before the attempt failed: running it again could act twice.
+    ProviderMayHaveActed,
 }
 
 impl StopReason {
-    pub const ALL: [StopReason; 9] = [
+    pub const ALL: [StopReason; 10] = [
         StopReason::PartialOutputCommitted,
         StopReason::AttemptBudgetExhausted,
         StopReason::RetryAfterExceedsDeadline,
@@ -304,6 +307,7 @@ impl StopReason {
         StopReason::Interrupted,
         StopReason::RetryBudgetExhausted,
         StopReason::BreakerOpen,
+        StopReason::ProviderMayHaveActed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -317,6 +321,7 @@ impl StopReason {
             StopReason::Interrupted => "interrupted",
             StopReason::RetryBudgetExhausted => "retry_budget_exhausted",
             StopReason::BreakerOpen => "breaker_open",
+            StopReason::ProviderMayHaveActed => "provider_may_have_acted",
         }
     }
 

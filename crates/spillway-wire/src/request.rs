@@ -100,6 +100,10 @@ pub struct ParsedRequest {
     /// OpenAI Responses: the stored response this turn follows, which only the channel
     /// that stored it can find.
     pub previous_response_id: Option<String>,
+    /// The provider may act on its own while it answers (OpenAI Responses with a hosted
+    /// tool that reaches out or runs code, or `background: true`): an attempt that reached
+    /// it may have done so, and running it again could do it twice.
+    pub acts_upstream: bool,
 }
 
 /// A message list: how many there are, and a hash of the opening ones.
@@ -222,6 +226,29 @@ struct OpenAiResponses<'a> {
     max_output_tokens: Option<u64>,
     #[serde(default)]
     previous_response_id: Option<String>,
+    #[serde(default)]
+    background: Option<bool>,
+    #[serde(default)]
+    tools: Vec<ResponsesTool>,
+}
+
+/// Just a Responses tool's type.
+#[derive(Deserialize)]
+struct ResponsesTool {
+    #[serde(default, rename = "type")]
+    kind: String,
+}
+
+impl ResponsesTool {
+    /// Tools whose work is done by the client (functions) or only reads (search): the
+    /// provider acts on nothing. Every other hosted tool (MCP servers, code interpreter,
+    /// computer use, image generation, ones newer than this list) may.
+    fn runs_elsewhere(&self) -> bool {
+        matches!(
+            self.kind.as_str(),
+            "function" | "custom" | "file_search" | "web_search" | "web_search_preview" | "local_shell"
+        )
+    }
 }
 
 #[derive(Deserialize)]
@@ -410,6 +437,7 @@ pub fn parse_request(
         conversation: 0,
         continuation: false,
         previous_response_id: None,
+        acts_upstream: false,
     };
     let gemini_model = || path_model.unwrap_or_default().to_owned();
     let parsed = match (format, api) {
@@ -425,6 +453,7 @@ pub fn parse_request(
                 conversation: r.messages.opening,
                 continuation: r.messages.more,
                 previous_response_id: None,
+                acts_upstream: false,
             }
         }
         (Format::OpenAi, Api::Responses) => {
@@ -462,6 +491,7 @@ pub fn parse_request(
                 // holder), not by a hash of this turn's text.
                 continuation,
                 previous_response_id: r.previous_response_id,
+                acts_upstream: r.background.unwrap_or(false) || r.tools.iter().any(|t| !t.runs_elsewhere()),
             }
         }
         (Format::OpenAi, Api::Embeddings) => {
@@ -490,6 +520,7 @@ pub fn parse_request(
                 conversation: r.messages.opening,
                 continuation: r.messages.more,
                 previous_response_id: None,
+                acts_upstream: false,
             }
         }
         (Format::Anthropic, Api::CountTokens) => {
@@ -509,6 +540,7 @@ pub fn parse_request(
                 conversation: r.contents.opening,
                 continuation: r.contents.more,
                 previous_response_id: None,
+                acts_upstream: false,
             }
         }
         (Format::Gemini, Api::Embeddings) => {
@@ -561,6 +593,18 @@ mod tests {
             r#"{"model":"gpt-4o-mini","input":"and then?","previous_response_id":"resp_1"}"#,
         );
         assert_eq!(r.previous_response_id.as_deref(), Some("resp_1"));
+        assert!(!r.acts_upstream);
+        let acts = |body: &str| ok(Format::OpenAi, Api::Responses, None, body).acts_upstream;
+        assert!(acts(
+            r#"{"model":"m","input":"x","tools":[{"type":"mcp","server_url":"https://x"}]}"#
+        ));
+        assert!(acts(
+            r#"{"model":"m","input":"x","tools":[{"type":"function","name":"f"},{"type":"code_interpreter"}]}"#
+        ));
+        assert!(acts(r#"{"model":"m","input":"x","background":true}"#));
+        assert!(!acts(
+            r#"{"model":"m","input":"x","tools":[{"type":"function","name":"f"},{"type":"web_search"}]}"#
+        ));
         // The list form: messages, tool output, images, as the SDKs send multi-turn input.
         let items = r#"{"model":"m","input":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"input_text","text":"hi"}]},
             {"type":"function_call_output","call_id":"c1","output":"42"}]}"#;
