@@ -27,6 +27,7 @@ use tokio::time::Instant;
 /// Everything the attempts of one request share.
 pub struct Ctx {
     pub format: Format,
+    pub api: spillway_wire::Api,
     pub uri: Uri,
     pub headers: HeaderMap,
     pub body: Bytes,

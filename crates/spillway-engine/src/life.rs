@@ -35,6 +35,8 @@ pub struct Answer {
     pub content_type: HeaderValue,
     pub body: Bytes,
     pub usage: Usage,
+    /// The Responses API's id of the stored response, read with the usage.
+    pub response_id: Option<String>,
     pub att: AttemptRecord,
 }
 
@@ -198,7 +200,7 @@ impl Life {
 
     /// The model is known: the request belongs to its route from here on.
     pub fn set_route(&mut self) {
-        self.route = RouteKey::of(&self.rec);
+        self.route = RouteKey::of(&self.rec, self.api);
     }
 
     /// With trace export on, the request's span is exported when it closes.
@@ -338,6 +340,7 @@ impl Life {
                 content_type,
                 body,
                 usage,
+                response_id,
                 mut att,
             }) => {
                 apply_usage(&mut self.rec, &mut att, &usage);
@@ -348,8 +351,8 @@ impl Life {
                 self.rec.finished_at = Some(now);
                 self.rec.state = RequestState::Done;
                 self.rec.http_status = Some(status.as_u16());
-                if self.api == spillway_wire::Api::Responses {
-                    self.rec.response_id = stored_response_id(&body);
+                if response_id.is_some() {
+                    self.rec.response_id = response_id;
                     crate::followup::remember(&self.st, &self.rec);
                 }
                 self.rec.next_ready_at = None;
@@ -776,16 +779,4 @@ pub fn gateway_headers(h: &mut HeaderMap, rec: &RequestRecord) {
     if let Some(u) = &rec.upstream_request_id {
         set("x-spillway-upstream-request-id", u);
     }
-}
-
-/// The id a Responses API answer is stored under (`resp_...`), from its body.
-fn stored_response_id(body: &[u8]) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct Stored {
-        id: Option<String>,
-    }
-    serde_json::from_slice::<Stored>(body)
-        .ok()?
-        .id
-        .filter(|id| !id.is_empty())
 }

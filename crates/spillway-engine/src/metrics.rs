@@ -63,12 +63,12 @@ pub struct RouteKey {
 }
 
 impl RouteKey {
-    pub fn of(rec: &RequestRecord) -> Option<RouteKey> {
+    pub fn of(rec: &RequestRecord, api: Api) -> Option<RouteKey> {
         Some(RouteKey {
             format: rec.format,
             model: rec.requested_model.clone()?,
             owner: rec.owner.clone().unwrap_or_default(),
-            api: Api::of_endpoint(&rec.endpoint),
+            api,
         })
     }
 }
@@ -462,7 +462,7 @@ mod tests {
                 },
                 base * 1000 + i * 10,
             );
-            let k = RouteKey::of(&r).unwrap();
+            let k = RouteKey::of(&r, Api::Generate).unwrap();
             m.started(&k, r.received_at);
             m.finished(&r, Some(&k), true, UnixMs(base * 1000 + i * 10 + 100));
         }
@@ -487,7 +487,7 @@ mod tests {
         let m = Metrics::default();
         for i in 0..10_000 {
             let r = rec(&format!("model-{i}"), RequestState::Done, 1_000);
-            let k = RouteKey::of(&r).unwrap();
+            let k = RouteKey::of(&r, Api::Generate).unwrap();
             m.started(&k, r.received_at);
             m.finished(&r, Some(&k), true, UnixMs(2_000));
         }

@@ -281,6 +281,7 @@ impl Caller for Scripted {
                     content_type: HeaderValue::from_static("application/json"),
                     body: Bytes::from(format!("{{\"ok\":true,\"n\":{}}}", self.calls.lock().unwrap().len())),
                     usage: Usage::default(),
+                    response_id: None,
                     att,
                 })
             }
@@ -292,6 +293,7 @@ impl Caller for Scripted {
                     content_type: HeaderValue::from_static("application/json"),
                     body: Bytes::from_static(b"{\"ok\":true}"),
                     usage: Usage::default(),
+                    response_id: None,
                     att,
                 })
             }
@@ -345,6 +347,7 @@ async fn request(st: &Arc<AppState>) -> (Life, Ctx, Admitted) {
         .await
         .unwrap();
     let ctx = Ctx {
+        api: spillway_wire::Api::Generate,
         format: Format::OpenAi,
         uri: "/v1/chat/completions".parse().unwrap(),
         headers: HeaderMap::new(),

@@ -15,7 +15,7 @@ use http::{HeaderValue, header};
 use serde_json::Value;
 use spillway_ledger::AttemptRecord;
 use spillway_wire::signal::{ErrorClass, Signal, classify_parsed};
-use spillway_wire::{Format, RateLimitState, Usage, rate_limit_state};
+use spillway_wire::{Api, Format, RateLimitState, Usage, rate_limit_state};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -232,6 +232,9 @@ impl Caller for HttpCaller {
         match signal.class {
             ErrorClass::Success => {
                 let usage = json.as_ref().map(|v| Usage::from_json(format, v)).unwrap_or_default();
+                let response_id = (ctx.api == Api::Responses)
+                    .then(|| json.as_ref()?.get("id")?.as_str().map(str::to_owned))
+                    .flatten();
                 apply_signal(&mut att, &signal);
                 Attempt::Answer(Answer {
                     status,
@@ -241,6 +244,7 @@ impl Caller for HttpCaller {
                         .unwrap_or(HeaderValue::from_static("application/json")),
                     body,
                     usage,
+                    response_id,
                     att,
                 })
             }

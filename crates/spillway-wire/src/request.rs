@@ -56,14 +56,6 @@ pub fn gemini_action(action: &str) -> Option<(Api, bool)> {
 }
 
 impl Api {
-    /// The API a recorded endpoint serves (`Generate` for one not in [`ENDPOINTS`]).
-    pub fn of_endpoint(endpoint: &str) -> Api {
-        ENDPOINTS
-            .iter()
-            .find(|(e, _)| *e == endpoint)
-            .map_or(Api::Generate, |(_, a)| *a)
-    }
-
     /// The recorded endpoints that serve this API.
     pub fn endpoints(self) -> impl Iterator<Item = &'static str> {
         ENDPOINTS.iter().filter(move |(_, a)| *a == self).map(|(e, _)| *e)
