@@ -3,14 +3,14 @@
 // probation progress and the G1 figures against their thresholds; a route's own page adds
 // its charts, its transition history and the form to open or close it by hand.
 import { useQuery, useQueryClient } from '@tanstack/react-query'
-import { useMemo, useState } from 'react'
+import { useMemo } from 'react'
 import { getAudit, setBreaker, type Connection } from './api'
 import type { RouteControlView } from './bindings/RouteControlView'
 import { Chart } from './Chart'
 import { breakerPill, count, duration, ms, pct, time, trigger } from './format'
 import { linkProps, navigate } from './router'
 import { useLive, type ControlPoint } from './useLive'
-import { useActor } from './actor'
+import { useOperatorAction } from './actor'
 
 export function BreakersView({ conn, selected }: { conn: Connection; selected: string | null }) {
   const { overview, error, history } = useLive(conn)
@@ -169,28 +169,15 @@ function figuresText(json: string | null): string {
 /** G4: open or close by hand, with a name and a reason that go on the audit log. */
 function ManualForm({ conn, r, onDone }: { conn: Connection; r: RouteControlView; onDone: () => void }) {
   const qc = useQueryClient()
-  const { actor, setActor, remember } = useActor()
-  const [reason, setReason] = useState('')
-  const [busy, setBusy] = useState(false)
-  const [msg, setMsg] = useState<{ ok: boolean; text: string } | null>(null)
+  const { actor, setActor, reason, setReason, busy, msg, act } = useOperatorAction()
   const open = r.breaker.state === 'closed'
-  const submit = async (e: React.FormEvent) => {
-    e.preventDefault()
-    setBusy(true)
-    setMsg(null)
-    try {
-      remember()
-      const v = await setBreaker(conn, open, { route: r.route, actor, reason })
-      setMsg({ ok: true, text: `Breaker ${v.breaker.state}. Recorded on the audit log.` })
-      setReason('')
-      onDone()
-      qc.invalidateQueries({ queryKey: ['audit'] })
-    } catch (err) {
-      setMsg({ ok: false, text: (err as Error).message })
-    } finally {
-      setBusy(false)
-    }
-  }
+  const submit = act(async () => {
+    const v = await setBreaker(conn, open, { route: r.route, actor, reason })
+    setReason('')
+    onDone()
+    qc.invalidateQueries({ queryKey: ['audit'] })
+    return { ok: true, text: `Breaker ${v.breaker.state}. Recorded on the audit log.` }
+  })
   return (
     <form className="manual" onSubmit={submit} data-testid="breaker-form">
       <h4>{open ? 'Open this breaker by hand' : 'Close this breaker by hand'}</h4>

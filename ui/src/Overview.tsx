@@ -8,7 +8,7 @@ import { linkProps } from './router'
 import { Chart } from './Chart'
 import { apiLabel, breakerPill, bytes, count, errorMix, ms, pct, rate, rejectReason, rotationPill, severityClass, time, usd } from './format'
 import { useLive } from './useLive'
-import { useActor } from './actor'
+import { useOperatorAction } from './actor'
 
 export function OverviewView({ conn }: { conn: Connection }) {
   const { overview, error, connected, alerts } = useLive(conn)
@@ -137,10 +137,7 @@ export function OverviewView({ conn }: { conn: Connection }) {
 
 function ChannelRow({ c, conn }: { c: ChannelView; conn: Connection }) {
   const [asking, setAsking] = useState(false)
-  const { actor, setActor, remember } = useActor()
-  const [reason, setReason] = useState('')
-  const [busy, setBusy] = useState(false)
-  const [err, setErr] = useState<string | null>(null)
+  const { actor, setActor, reason, setReason, busy, msg, act } = useOperatorAction()
   const h = c.health
   const pill = rotationPill(h.state)
   const full = c.in_flight >= c.max_concurrency
@@ -148,21 +145,12 @@ function ChannelRow({ c, conn }: { c: ChannelView; conn: Connection }) {
     h.remaining_requests !== null ? `${count(h.remaining_requests)} req` : null,
     h.remaining_tokens !== null ? `${count(h.remaining_tokens)} tok` : null,
   ].filter(Boolean)
-  const restore = async (e: React.FormEvent) => {
-    e.preventDefault()
-    setBusy(true)
-    setErr(null)
-    try {
-      remember()
-      await restoreChannel(conn, c.name, { actor, reason })
-      setAsking(false)
-      setReason('')
-    } catch (e) {
-      setErr((e as Error).message)
-    } finally {
-      setBusy(false)
-    }
-  }
+  const restore = act(async () => {
+    await restoreChannel(conn, c.name, { actor, reason })
+    setAsking(false)
+    setReason('')
+    return null
+  })
   const latency = h.latency_ms === null ? '—' : `${ms(h.latency_ms)} (normal ${ms(h.normal_latency_ms)})`
   return (
     <tr data-testid={`channel-${c.name}`}>
@@ -191,7 +179,7 @@ function ChannelRow({ c, conn }: { c: ChannelView; conn: Connection }) {
             <button type="button" onClick={() => setAsking(false)}>Cancel</button>
           </form>
         )}
-        {err && <div role="alert" className="error small">{err}</div>}
+        {msg && <div role="alert" className="error small">{msg.text}</div>}
       </td>
     </tr>
   )
@@ -220,30 +208,17 @@ function Tile({ label, value, hint, testid }: { label: string; value: string; hi
  * be 0), and its size, with a prune that goes on the audit log. */
 function LedgerPanel({ conn, f }: { conn: Connection; f: LedgerFigures | null }) {
   const [asking, setAsking] = useState(false)
-  const { actor, setActor, remember } = useActor()
-  const [reason, setReason] = useState('')
+  const { actor, setActor, reason, setReason, busy, msg, act } = useOperatorAction()
   const [days, setDays] = useState('')
-  const [busy, setBusy] = useState(false)
-  const [msg, setMsg] = useState<{ ok: boolean; text: string } | null>(null)
   if (!f) {
     return <p className="muted small" data-testid="ledger-figures-missing">The ledger’s figures (unknown outcomes, duplicates, size) are not available yet; they are read every 10 s.</p>
   }
-  const prune = async (e: React.FormEvent) => {
-    e.preventDefault()
-    setBusy(true)
-    setMsg(null)
-    try {
-      remember()
-      const r: PruneReport = await pruneLedger(conn, { actor, reason, older_than_days: days ? Number(days) : null })
-      setMsg({ ok: true, text: `Removed ${count(r.payloads)} expired response copies, ${count(r.requests)} requests and ${count(r.attempts)} attempts. The file keeps its size and reuses the space; \`spillway ledger prune\` on a stopped gateway gives it back.` })
-      setAsking(false)
-      setReason('')
-    } catch (err) {
-      setMsg({ ok: false, text: (err as Error).message })
-    } finally {
-      setBusy(false)
-    }
-  }
+  const prune = act(async () => {
+    const r: PruneReport = await pruneLedger(conn, { actor, reason, older_than_days: days ? Number(days) : null })
+    setAsking(false)
+    setReason('')
+    return { ok: true, text: `Removed ${count(r.payloads)} expired response copies, ${count(r.requests)} requests and ${count(r.attempts)} attempts. The file keeps its size and reuses the space; \`spillway ledger prune\` on a stopped gateway gives it back.` }
+  })
   const perRoute = [...f.unknown_by_route.map((c) => ({ ...c, kind: 'unknown' })), ...f.duplicates_by_route.map((c) => ({ ...c, kind: 'duplicate' }))]
   return (
     <div className="ledger-panel" data-testid="ledger-panel">

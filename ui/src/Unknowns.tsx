@@ -9,7 +9,7 @@ import type { RequestDetail } from './bindings/RequestDetail'
 import type { Reconciliation } from './bindings/Reconciliation'
 import { age, decision, failureClass, time } from './format'
 import { linkProps, navigate } from './router'
-import { useActor } from './actor'
+import { useOperatorAction } from './actor'
 
 /** The newest this many are listed; the count beside them is the whole inbox's. */
 const PAGE = 100
@@ -160,32 +160,19 @@ function ReconcileForm({ conn, item }: { conn: Connection; item: RequestDetail }
   const qc = useQueryClient()
   const [outcome, setOutcome] = useState<Reconciliation | null>(null)
   const [resultId, setResultId] = useState('')
-  const { actor, setActor, remember } = useActor()
-  const [reason, setReason] = useState('')
-  const [busy, setBusy] = useState(false)
-  const [msg, setMsg] = useState<{ ok: boolean; text: string } | null>(null)
+  const { actor, setActor, reason, setReason, busy, msg, act } = useOperatorAction()
   const ready = outcome !== null && actor.trim() !== '' && reason.trim() !== '' && (outcome !== 'confirmed_done' || resultId.trim() !== '')
-  const submit = async (e: React.FormEvent) => {
-    e.preventDefault()
-    if (!outcome) return
-    setBusy(true)
-    setMsg(null)
-    try {
-      remember()
-      const rec = await reconcile(conn, item.request.id, {
-        outcome,
-        result_id: outcome === 'confirmed_done' ? resultId.trim() : null,
-        actor: actor.trim(),
-        reason: reason.trim(),
-      })
-      setMsg({ ok: true, text: `Reconciled: the request is now ${rec.state}. Recorded on the audit log.` })
-      qc.invalidateQueries({ queryKey: ['unknowns'] })
-    } catch (err) {
-      setMsg({ ok: false, text: (err as Error).message })
-    } finally {
-      setBusy(false)
-    }
-  }
+  const submit = act(async () => {
+    if (!outcome) return null
+    const rec = await reconcile(conn, item.request.id, {
+      outcome,
+      result_id: outcome === 'confirmed_done' ? resultId.trim() : null,
+      actor: actor.trim(),
+      reason: reason.trim(),
+    })
+    qc.invalidateQueries({ queryKey: ['unknowns'] })
+    return { ok: true, text: `Reconciled: the request is now ${rec.state}. Recorded on the audit log.` }
+  })
   return (
     <form className="manual" onSubmit={submit} data-testid="reconcile-form">
       <h4>Reconcile</h4>
@@ -215,26 +202,15 @@ function ReconcileForm({ conn, item }: { conn: Connection; item: RequestDetail }
  * at once, with one reason, each on the audit log. */
 function BulkForm({ conn, ids, onDone }: { conn: Connection; ids: string[]; onDone: (m: { ok: boolean; text: string }) => void }) {
   const qc = useQueryClient()
-  const { actor, setActor, remember } = useActor()
-  const [reason, setReason] = useState('')
-  const [busy, setBusy] = useState(false)
-  const [msg, setMsg] = useState<{ ok: boolean; text: string } | null>(null)
-  const submit = async (e: React.FormEvent) => {
-    e.preventDefault()
-    setBusy(true)
-    setMsg(null)
-    try {
-      remember()
-      const r = await reconcileBulk(conn, { ids, actor: actor.trim(), reason: reason.trim() })
-      const left = r.refused.length ? ` ${r.refused.length} left as they were: ${r.refused.map((x) => x.error).join('; ')}` : ''
-      onDone({ ok: r.refused.length === 0, text: `${r.reconciled} confirmed not executed; their keys may run once more.${left}` })
-      qc.invalidateQueries({ queryKey: ['unknowns'] })
-    } catch (err) {
-      setMsg({ ok: false, text: (err as Error).message })
-    } finally {
-      setBusy(false)
-    }
-  }
+  const { actor, setActor, reason, setReason, busy, msg, act } = useOperatorAction()
+  const submit = act(async () => {
+    const r = await reconcileBulk(conn, { ids, actor: actor.trim(), reason: reason.trim() })
+    const left = r.refused.length ? ` ${r.refused.length} left as they were: ${r.refused.map((x) => x.error).join('; ')}` : ''
+    // The outcome is the inbox's to show: this form closes with it.
+    onDone({ ok: r.refused.length === 0, text: `${r.reconciled} confirmed not executed; their keys may run once more.${left}` })
+    qc.invalidateQueries({ queryKey: ['unknowns'] })
+    return null
+  })
   return (
     <form className="inline-form" onSubmit={submit} data-testid="bulk-form">
       <span className="small">
