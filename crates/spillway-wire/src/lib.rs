@@ -1,7 +1,7 @@
 //! Provider wire formats, pure: the three request shapes the gateway accepts, the error
-//! bodies it answers with (A3), SSE framing (H1), usage blocks (M2) and the normalised
-//! signal an upstream outcome becomes (E1). No I/O happens here, so every function can be
-//! table-tested and fed arbitrary bytes without a server.
+//! bodies it answers with (A3), SSE framing (H1), usage blocks (M2), the input-token
+//! estimate (M3) and the normalised signal an upstream outcome becomes (E1). No I/O happens
+//! here, so every function can be table-tested and fed arbitrary bytes without a server.
 
 pub mod error_body;
 pub mod format;
@@ -9,6 +9,7 @@ pub mod request;
 pub mod signal;
 pub mod sse;
 pub mod time;
+pub mod tokens;
 pub mod usage;
 
 pub use error_body::{ErrorKind, error_body, stream_error_event};
@@ -20,4 +21,5 @@ pub use signal::{
 };
 pub use sse::{SseEvent, SseParser};
 pub use time::UnixMs;
+pub use tokens::estimate_input_tokens;
 pub use usage::Usage;

@@ -80,7 +80,7 @@ pub struct ParsedRequest {
     pub include_usage: bool,
     /// Output cap the client asked for, if any (M3 estimates cost from it).
     pub max_output_tokens: Option<u64>,
-    /// Rough input size in tokens (bytes / 4) until a tokenizer-based estimate lands.
+    /// M3: the input tokens counted before the call (see [`crate::tokens`]).
     pub estimated_input_tokens: u64,
     /// D4: a hash of the conversation's opening (its messages up to and including the
     /// first user turn), the same on every later turn of the conversation; routing keeps
@@ -398,6 +398,23 @@ fn non_empty(field: &str, len: usize) -> Result<(), RequestError> {
     }
 }
 
+/// M2: an OpenAI chat request body that streams with `stream_options.include_usage` set
+/// (the client's other stream options kept), so that the stream reports its usage; None
+/// when the body is not a JSON object.
+pub fn with_stream_usage(body: &[u8]) -> Option<Vec<u8>> {
+    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let obj = v.as_object_mut()?;
+    let opts = obj
+        .entry("stream_options")
+        .or_insert_with(|| serde_json::Value::Object(Default::default()));
+    if !opts.is_object() {
+        *opts = serde_json::Value::Object(Default::default());
+    }
+    opts.as_object_mut()?
+        .insert("include_usage".into(), serde_json::Value::Bool(true));
+    serde_json::to_vec(&v).ok()
+}
+
 /// Whether `model` is a plausible model name: what goes into an upstream URL path (Gemini)
 /// must not smuggle path segments or queries.
 pub fn valid_model_name(model: &str) -> bool {
@@ -419,7 +436,7 @@ pub fn parse_request(
     body: &[u8],
 ) -> Result<ParsedRequest, RequestError> {
     require_object(body)?;
-    let estimated_input_tokens = (body.len() as u64).div_ceil(4);
+    let estimated_input_tokens = crate::tokens::estimate_input_tokens(format, api, body);
     let plain = |model: String| ParsedRequest {
         model,
         stream: false,

@@ -17,6 +17,25 @@ pub struct Usage {
     pub reasoning_tokens: Option<u64>,
 }
 
+/// Tokens as they are priced: each input token in exactly one of the three input
+/// buckets (the providers disagree on whether their input count includes cache reads).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Billable {
+    /// Input read neither from nor into the prompt cache.
+    pub input: u64,
+    pub cached_input: u64,
+    pub cache_write: u64,
+    /// Output, reasoning and thoughts included.
+    pub output: u64,
+}
+
+impl Billable {
+    /// The whole prompt, in every bucket.
+    pub fn total_input(&self) -> u64 {
+        self.input + self.cached_input + self.cache_write
+    }
+}
+
 fn u(v: &Value, path: &[&str]) -> Option<u64> {
     let mut cur = v;
     for p in path {
@@ -43,6 +62,34 @@ impl Usage {
         m(&mut self.cached_input_tokens, other.cached_input_tokens);
         m(&mut self.cache_creation_tokens, other.cache_creation_tokens);
         m(&mut self.reasoning_tokens, other.reasoning_tokens);
+    }
+
+    /// The tokens to price, or None when the provider reported no counts at all (an
+    /// unknown cost, never zero). OpenAI's and Gemini's input counts include cache reads;
+    /// Anthropic's counts only the uncached part, with reads and writes beside it.
+    pub fn billable(&self, format: Format) -> Option<Billable> {
+        if self.input_tokens.is_none() && self.output_tokens.is_none() {
+            return None;
+        }
+        let output = self.output_tokens.unwrap_or(0);
+        Some(match format {
+            Format::Anthropic => Billable {
+                input: self.input_tokens.unwrap_or(0),
+                cached_input: self.cached_input_tokens.unwrap_or(0),
+                cache_write: self.cache_creation_tokens.unwrap_or(0),
+                output,
+            },
+            Format::OpenAi | Format::Gemini => {
+                let total = self.input_tokens.unwrap_or(0);
+                let cached = self.cached_input_tokens.unwrap_or(0).min(total);
+                Billable {
+                    input: total - cached,
+                    cached_input: cached,
+                    cache_write: 0,
+                    output,
+                }
+            }
+        })
     }
 
     /// Usage from a non-streaming response body, or from one stream event's JSON.
@@ -171,5 +218,61 @@ mod tests {
         );
         // OpenAI stream chunks without usage (usage: null) report nothing.
         assert!(Usage::from_json(Format::OpenAi, &json!({"usage":null})).is_empty());
+    }
+
+    #[test]
+    fn m2_billable_tokens_put_each_input_token_in_one_bucket() {
+        // spec: M2
+        // OpenAI: 10 prompt tokens of which 4 cached; 5 completion of which 2 reasoning.
+        let o = Usage::from_json(
+            Format::OpenAi,
+            &json!({"usage":{"prompt_tokens":10,"completion_tokens":5,
+            "prompt_tokens_details":{"cached_tokens":4},"completion_tokens_details":{"reasoning_tokens":2}}}),
+        );
+        assert_eq!(
+            o.billable(Format::OpenAi),
+            Some(Billable {
+                input: 6,
+                cached_input: 4,
+                cache_write: 0,
+                output: 5
+            })
+        );
+        // Anthropic: input_tokens excludes cache reads and writes.
+        let mut a = Usage::from_json(
+            Format::Anthropic,
+            &json!({"type":"message_start","message":{"usage":{"input_tokens":7,"output_tokens":1,
+            "cache_read_input_tokens":300,"cache_creation_input_tokens":20}}}),
+        );
+        a.merge(Usage::from_json(
+            Format::Anthropic,
+            &json!({"type":"message_delta","usage":{"output_tokens":9}}),
+        ));
+        let b = a.billable(Format::Anthropic).unwrap();
+        assert_eq!(
+            b,
+            Billable {
+                input: 7,
+                cached_input: 300,
+                cache_write: 20,
+                output: 9
+            }
+        );
+        assert_eq!(b.total_input(), 327);
+        // Gemini: thoughts are billed as output; cached content is inside the prompt count.
+        let g = Usage::from_json(
+            Format::Gemini,
+            &json!({"usageMetadata":{"promptTokenCount":80,"candidatesTokenCount":6,"thoughtsTokenCount":30,"cachedContentTokenCount":64}}),
+        );
+        assert_eq!(
+            g.billable(Format::Gemini),
+            Some(Billable {
+                input: 16,
+                cached_input: 64,
+                cache_write: 0,
+                output: 36
+            })
+        );
+        assert_eq!(Usage::default().billable(Format::OpenAi), None);
     }
 }
