@@ -89,6 +89,22 @@ struct RawConfig {
     /// I6: keep request bodies (prompts) in the ledger; by default only their hash.
     #[serde(default)]
     store_prompts: Option<S<bool>>,
+    /// M1: a pricing catalog replacing the built-in one.
+    #[serde(default)]
+    pricing: Option<S<String>>,
+    /// Daily budgets: the day's time zone and per-route amounts.
+    #[serde(default)]
+    budgets: Option<S<RawBudgets>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBudgets {
+    #[serde(default)]
+    time_zone: Option<S<String>>,
+    /// USD per day by route (`openai/gpt-4.1`).
+    #[serde(default)]
+    routes: Option<S<std::collections::BTreeMap<String, f64>>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -215,6 +231,8 @@ struct RawOwner {
     name: S<String>,
     #[serde(default)]
     balance_usd: Option<S<f64>>,
+    #[serde(default)]
+    daily_budget_usd: Option<S<f64>>,
 }
 
 /// A validated gateway config.
@@ -256,6 +274,9 @@ pub struct Config {
     pub idempotency: IdempotencySettings,
     /// I6: request bodies are kept (for the idempotency window) instead of only hashed.
     pub store_prompts: bool,
+    /// M1: the pricing catalog's path, when the config replaces the built-in one.
+    pub pricing: Option<PathBuf>,
+    pub budgets: Budgets,
 }
 
 /// I2, I6: idempotency keys and the response copies kept for their repeats.
@@ -489,16 +510,29 @@ pub struct Key {
 #[derive(Clone, Debug)]
 pub struct Owner {
     pub name: String,
-    pub balance_usd: f64,
+    /// B4: seeds the owner's balance the first time the ledger meets the owner; after
+    /// that the ledger's balance (top-ups, charges) is the truth. Without one (and
+    /// without a top-up on record) the owner is not held to a balance (B3 does not apply).
+    pub balance_usd: Option<f64>,
+    /// Spend per day (in `budgets.time_zone`) past which the owner's requests get 402.
+    pub daily_budget_usd: Option<f64>,
 }
 
-struct Ctx<'a> {
-    file: &'a str,
-    errors: Vec<ConfigError>,
+/// Daily budgets: where a day begins, and what each route may spend in one (G1's cost
+/// trigger opens a route's breaker when its last hour cost more than a quarter of it).
+#[derive(Clone, Debug, Default)]
+pub struct Budgets {
+    pub time_zone: chrono_tz::Tz,
+    pub routes: std::collections::BTreeMap<String, f64>,
+}
+
+pub(crate) struct Ctx<'a> {
+    pub(crate) file: &'a str,
+    pub(crate) errors: Vec<ConfigError>,
 }
 
 impl Ctx<'_> {
-    fn err<T>(&mut self, at: &Spanned<T>, field: impl Into<String>, message: impl Into<String>) {
+    pub(crate) fn err<T>(&mut self, at: &Spanned<T>, field: impl Into<String>, message: impl Into<String>) {
         self.errors.push(ConfigError {
             file: self.file.to_owned(),
             line: at.referenced.line() as u32,
@@ -610,7 +644,7 @@ fn valid_host_name(s: &str) -> bool {
 
 /// The YAML key written on `line`, so a type error ("invalid u32") names its field even
 /// though the parser only knows the position.
-fn key_on_line(text: &str, line: u32) -> Option<String> {
+pub(crate) fn key_on_line(text: &str, line: u32) -> Option<String> {
     let l = text.lines().nth((line as usize).checked_sub(1)?)?;
     let l = l.trim_start().trim_start_matches("- ").trim_start();
     let (key, _) = l.split_once(':')?;
@@ -855,15 +889,26 @@ impl RawConfig {
                     format!("owner `{}` is defined twice", o.value.name.value),
                 );
             }
-            let balance_usd = o.value.balance_usd.as_ref().map(|b| b.value).unwrap_or(0.0);
+            let balance_usd = o.value.balance_usd.as_ref().map(|b| b.value);
             if let Some(b) = &o.value.balance_usd
                 && !b.value.is_finite()
             {
                 cx.err(b, f("balance_usd"), "must be a finite number");
             }
+            let daily_budget_usd = o.value.daily_budget_usd.as_ref().map(|b| {
+                if !b.value.is_finite() || b.value <= 0.0 {
+                    cx.err(
+                        b,
+                        f("daily_budget_usd"),
+                        "must be a number greater than 0 (USD per day)",
+                    );
+                }
+                b.value
+            });
             owners.push(Owner {
                 name: o.value.name.value.clone(),
                 balance_usd,
+                daily_budget_usd,
             });
         }
 
@@ -1199,6 +1244,50 @@ impl RawConfig {
             );
         }
         let store_prompts = self.store_prompts.as_ref().is_some_and(|v| v.value);
+        let pricing = self.pricing.as_ref().map(|p| {
+            if p.value.trim().is_empty() {
+                cx.err(
+                    p,
+                    "pricing",
+                    "must be the path of a pricing catalog (see policies/pricing.yaml)",
+                );
+            }
+            base_dir.join(p.value.trim())
+        });
+        let mut budgets = Budgets::default();
+        if let Some(b) = &self.budgets {
+            if let Some(tz) = &b.value.time_zone {
+                match tz.value.trim().parse::<chrono_tz::Tz>() {
+                    Ok(z) => budgets.time_zone = z,
+                    Err(_) => cx.err(
+                        tz,
+                        "budgets.time_zone",
+                        format!(
+                            "`{}` is not an IANA time zone (e.g. UTC, Europe/Berlin, America/New_York)",
+                            tz.value
+                        ),
+                    ),
+                }
+            }
+            if let Some(r) = &b.value.routes {
+                for (route, usd) in &r.value {
+                    if !usd.is_finite() || *usd <= 0.0 {
+                        cx.err(
+                            r,
+                            format!("budgets.routes.{route}"),
+                            "must be a number greater than 0 (USD per day)",
+                        );
+                    } else if !route.contains('/') {
+                        cx.err(
+                            r,
+                            format!("budgets.routes.{route}"),
+                            "a route is FORMAT/MODEL, e.g. openai/gpt-4.1",
+                        );
+                    }
+                }
+                budgets.routes = r.value.clone();
+            }
+        }
 
         if !cx.errors.is_empty() {
             return Err(ConfigErrors(cx.errors));
@@ -1206,6 +1295,8 @@ impl RawConfig {
         Ok(Config {
             idempotency,
             store_prompts,
+            pricing,
+            budgets,
             control,
             metrics_token,
             alert_webhook_url,
