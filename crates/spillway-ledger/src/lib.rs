@@ -7,6 +7,7 @@
 //! request entering `calling_api`) waits for the commit that carries it. One process
 //! writes a ledger: a lock file beside it keeps a second instance out.
 
+mod accounts;
 mod control;
 mod idem;
 mod lock;
@@ -14,6 +15,7 @@ mod record;
 mod sqlite;
 mod writer;
 
+pub use accounts::{Accounts, BalanceEntry, CostCell, KeySpend, SpendRow, StoredKey};
 pub use control::{AuditEntry, ControlState};
 pub use idem::{KeyedRequest, LedgerFigures, Payload, PruneReport, Reconcile, RouteCount, SideEffect, StoredResponse};
 pub use lock::LedgerLock;
@@ -118,6 +120,32 @@ pub trait LedgerBackend: Send + Sync + 'static {
         keys_since: UnixMs,
         vacuum: bool,
     ) -> Result<PruneReport>;
+    /// B3–B5: every owner's credits, the all-time spend by owner and key, the made keys
+    /// and the operators' spend limits.
+    async fn accounts(&self) -> Result<Accounts>;
+    /// B4: credits each owner listed its seed, unless the ledger has met the owner before
+    /// (any credit on record). Returns the owners seeded now.
+    async fn seed_owners(&self, seeds: &[(String, f64)], at: UnixMs) -> Result<Vec<String>>;
+    /// A credit (a top-up) with its audit entry, in one durable transaction.
+    async fn credit(&self, entry: &BalanceEntry, audit: &AuditEntry) -> Result<()>;
+    /// B5: a made key with its audit entry. `Conflict` when the name is taken.
+    async fn create_key(&self, key: &StoredKey, audit: &AuditEntry) -> Result<()>;
+    /// B5: revokes a made key. `NotFound` when there is no such made key.
+    async fn revoke_key(&self, name: &str, at: UnixMs, by: &str, audit: &AuditEntry) -> Result<()>;
+    /// B3: an operator's spend limit on a key (None lifts it), with its audit entry.
+    async fn set_spend_limit(
+        &self,
+        key_name: &str,
+        limit: Option<f64>,
+        at: UnixMs,
+        by: &str,
+        audit: &AuditEntry,
+    ) -> Result<()>;
+    /// Known costs of requests received since `since`, by owner, key and route.
+    async fn spend_since(&self, since: UnixMs) -> Result<Vec<SpendRow>>;
+    /// M3, N1: requests received since `since`, costs summed per `bucket_ms`, owner, key,
+    /// route and model.
+    async fn cost_report(&self, since: UnixMs, bucket_ms: i64) -> Result<Vec<CostCell>>;
     /// Housekeeping the writer must not pay for on its commits (WAL checkpoints).
     /// Returns how many pages (WAL frames) it folded back into the database.
     async fn maintain(&self) -> Result<u64>;

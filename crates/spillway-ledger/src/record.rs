@@ -126,10 +126,16 @@ pub enum GatewayClass {
     /// I2: the request under the same `Idempotency-Key` completed, but its response copy
     /// is not kept (too large, or confirmed by an owner); nothing is sent again (409).
     IdempotencyCompleted,
+    /// B3: the owner's balance was at or below zero (402).
+    InsufficientBalance,
+    /// B3: the key had spent its spend limit (402).
+    SpendLimit,
+    /// The owner had spent its daily budget (402).
+    DailyBudget,
 }
 
 impl GatewayClass {
-    pub const ALL: [GatewayClass; 22] = [
+    pub const ALL: [GatewayClass; 25] = [
         GatewayClass::ClientAuth,
         GatewayClass::InvalidBody,
         GatewayClass::UnsupportedMediaType,
@@ -152,6 +158,9 @@ impl GatewayClass {
         GatewayClass::IdempotencyInProgress,
         GatewayClass::IdempotencyUnknown,
         GatewayClass::IdempotencyCompleted,
+        GatewayClass::InsufficientBalance,
+        GatewayClass::SpendLimit,
+        GatewayClass::DailyBudget,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -178,6 +187,9 @@ impl GatewayClass {
             GatewayClass::IdempotencyInProgress => "idempotency_in_progress",
             GatewayClass::IdempotencyUnknown => "idempotency_unknown",
             GatewayClass::IdempotencyCompleted => "idempotency_completed",
+            GatewayClass::InsufficientBalance => "insufficient_balance",
+            GatewayClass::SpendLimit => "spend_limit",
+            GatewayClass::DailyBudget => "daily_budget",
         }
     }
 
@@ -355,7 +367,19 @@ pub struct RequestRecord {
     pub output_tokens: Option<u64>,
     pub cached_input_tokens: Option<u64>,
     pub reasoning_tokens: Option<u64>,
+    /// Anthropic: prompt tokens written to the cache (priced above input).
+    pub cache_write_tokens: Option<u64>,
+    /// M1, M3: what the request cost, failed attempts included; None when unknown (an
+    /// unpriced model, or no usage reported), never a made-up zero.
     pub cost_usd: Option<f64>,
+    /// M3: the input tokens counted before the call.
+    pub estimated_input_tokens: Option<u64>,
+    /// M3: the cost expected before the call (input estimate plus output cap, priced).
+    pub estimated_cost_usd: Option<f64>,
+    /// The part of `cost_usd` spent on attempts that did not give the answer.
+    pub failed_cost_usd: Option<f64>,
+    /// The pricing catalog's version the costs were computed with.
+    pub pricing_version: Option<String>,
     pub received_at: UnixMs,
     pub admitted_at: Option<UnixMs>,
     pub first_token_at: Option<UnixMs>,
@@ -465,7 +489,12 @@ impl RequestRecord {
             output_tokens: None,
             cached_input_tokens: None,
             reasoning_tokens: None,
+            cache_write_tokens: None,
             cost_usd: None,
+            estimated_input_tokens: None,
+            estimated_cost_usd: None,
+            failed_cost_usd: None,
+            pricing_version: None,
             received_at,
             admitted_at: None,
             first_token_at: None,
@@ -576,6 +605,8 @@ pub struct AttemptRecord {
     pub finished_at: Option<UnixMs>,
     pub input_tokens: Option<u64>,
     pub output_tokens: Option<u64>,
+    /// M3: what this attempt cost (a failed attempt that consumed tokens costs too).
+    pub cost_usd: Option<f64>,
     /// What the gateway did after this attempt (F2).
     pub decision: Option<Decision>,
     /// Why, when the decision is to stop.
@@ -607,6 +638,7 @@ impl AttemptRecord {
             finished_at: None,
             input_tokens: None,
             output_tokens: None,
+            cost_usd: None,
             decision: None,
             decision_reason: None,
             delay_ms: None,

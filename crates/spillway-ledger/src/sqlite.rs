@@ -11,9 +11,10 @@
 //! writes no file-size change.
 
 use crate::{
-    AttemptRecord, AuditEntry, ControlState, Decision, Error, FailureClass, KeyedRequest, LedgerBackend, LedgerFigures,
-    LedgerLock, Page, Payload, PruneReport, Reconcile, Reconciliation, RequestRecord, RequestState, Result, RouteCount,
-    Search, SideEffect, StopReason, StoredResponse,
+    Accounts, AttemptRecord, AuditEntry, BalanceEntry, ControlState, CostCell, Decision, Error, FailureClass, KeySpend,
+    KeyedRequest, LedgerBackend, LedgerFigures, LedgerLock, Page, Payload, PruneReport, Reconcile, Reconciliation,
+    RequestRecord, RequestState, Result, RouteCount, Search, SideEffect, SpendRow, StopReason, StoredKey,
+    StoredResponse,
 };
 use async_trait::async_trait;
 use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
@@ -39,7 +40,7 @@ const WAL_SIZE_LIMIT: u64 = WAL_RESTART_BYTES;
 
 /// SQLite allows 32766 bound parameters per statement; a batch row binds one per
 /// column of the view (see the assertion below).
-pub(crate) const ROWS_PER_STATEMENT: usize = 500;
+pub(crate) const ROWS_PER_STATEMENT: usize = 480;
 
 /// The largest batch that keeps its prepared statement. Larger ones come only under heavy
 /// load, where compiling is shared by many rows, and would fill the cache with big
@@ -65,7 +66,8 @@ const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request
     format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
     error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
     admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at, \
-    idempotency_key, replay_of, response_id";
+    idempotency_key, replay_of, response_id, cache_write_tokens, estimated_input_tokens, estimated_cost_usd, \
+    failed_cost_usd, pricing_version";
 
 /// Columns the request path never writes (the side-effect step and reconciliation set
 /// them through their own statements); read with the rest.
@@ -73,7 +75,8 @@ const REQUEST_READ_COLUMNS: &str = "id, trace_id, client_request_id, upstream_re
     format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
     error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
     admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at, \
-    idempotency_key, replay_of, response_id, result_id, side_effect_at, reconciliation, reconciled_by, reconciled_reason, reconciled_at";
+    idempotency_key, replay_of, response_id, cache_write_tokens, estimated_input_tokens, estimated_cost_usd, \
+    failed_cost_usd, pricing_version, result_id, side_effect_at, reconciliation, reconciled_by, reconciled_reason, reconciled_at";
 
 /// Columns fixed when a request is first written. Leaving them out of the upsert's SET
 /// spares SQLite rewriting their index entries (trace id, client id, time) on every
@@ -118,7 +121,7 @@ static REQUEST_UPSERT: LazyLock<String> = LazyLock::new(|| {
 
 const ATTEMPT_COLUMNS: &str = "request_id, attempt_no, channel, upstream_request_id, http_status, error_class, \
     provider_error_type, retry_after_ms, message, started_at, first_byte_at, finished_at, input_tokens, output_tokens, \
-    decision, decision_reason, delay_ms, ready_at, visibility";
+    decision, decision_reason, delay_ms, ready_at, visibility, cost_usd";
 
 /// How far an acknowledged commit survives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -216,6 +219,18 @@ impl SqliteBackend {
 }
 
 impl SqliteBackend {
+    /// The writer connection, for a durable transaction outside the batches; refused while
+    /// a failed batch's transaction may still be open on it.
+    async fn writable(&self) -> Result<tokio::sync::MutexGuard<'_, (SqliteConnection, bool)>> {
+        let w = self.writer.lock().await;
+        if w.1 {
+            return Err(Error::Unavailable(
+                "a failed transaction is still being rolled back".into(),
+            ));
+        }
+        Ok(w)
+    }
+
     /// Runs `sql` (a DELETE of at most a chunk, taking `?1`) until it deletes nothing, one
     /// transaction per chunk. Returns the rows deleted.
     async fn delete_in_chunks(&self, sql: &'static str, arg: i64) -> Result<u64> {
@@ -280,7 +295,12 @@ fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
         output_tokens: u(r.try_get("output_tokens")?),
         cached_input_tokens: u(r.try_get("cached_input_tokens")?),
         reasoning_tokens: u(r.try_get("reasoning_tokens")?),
+        cache_write_tokens: u(r.try_get("cache_write_tokens")?),
         cost_usd: r.try_get("cost_usd")?,
+        estimated_input_tokens: u(r.try_get("estimated_input_tokens")?),
+        estimated_cost_usd: r.try_get("estimated_cost_usd")?,
+        failed_cost_usd: r.try_get("failed_cost_usd")?,
+        pricing_version: r.try_get("pricing_version")?,
         received_at: UnixMs(r.try_get("received_at")?),
         admitted_at: ms(r.try_get("admitted_at")?),
         first_token_at: ms(r.try_get("first_token_at")?),
@@ -325,6 +345,7 @@ fn attempt_from_row(r: &SqliteRow) -> Result<AttemptRecord> {
         finished_at: ms(r.try_get("finished_at")?),
         input_tokens: u(r.try_get("input_tokens")?),
         output_tokens: u(r.try_get("output_tokens")?),
+        cost_usd: r.try_get("cost_usd")?,
         decision: r
             .try_get::<Option<String>, _>("decision")?
             .and_then(|d| Decision::parse(&d)),
@@ -470,7 +491,12 @@ fn bind_request(b: &mut Separated<'_, Sqlite, &'static str>, r: &RequestRecord) 
         .push_bind(r.next_ready_at.map(|t| t.0))
         .push_bind(r.idempotency_key.clone())
         .push_bind(r.replay_of.clone())
-        .push_bind(r.response_id.clone());
+        .push_bind(r.response_id.clone())
+        .push_bind(i(r.cache_write_tokens))
+        .push_bind(i(r.estimated_input_tokens))
+        .push_bind(r.estimated_cost_usd)
+        .push_bind(r.failed_cost_usd)
+        .push_bind(r.pricing_version.clone());
 }
 
 fn bind_attempt(b: &mut Separated<'_, Sqlite, &'static str>, a: &AttemptRecord) {
@@ -492,7 +518,8 @@ fn bind_attempt(b: &mut Separated<'_, Sqlite, &'static str>, a: &AttemptRecord) 
         .push_bind(a.decision_reason.map(StopReason::as_str))
         .push_bind(i(a.delay_ms))
         .push_bind(a.ready_at.map(|t| t.0))
-        .push_bind(a.visibility.map(Visibility::as_str));
+        .push_bind(a.visibility.map(Visibility::as_str))
+        .push_bind(a.cost_usd);
 }
 
 /// The smallest UUIDv7 string of millisecond `ms`: ids compare as strings in time order.
@@ -515,6 +542,24 @@ fn hex_to_uuid(s: &str) -> Option<String> {
         &s[16..20],
         &s[20..32]
     ))
+}
+
+/// Appends an audit entry inside a transaction.
+async fn insert_audit(tx: &mut sqlx::Transaction<'_, Sqlite>, audit: &AuditEntry) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO audit (at, kind, subject, actor, action, trigger, reason, figures) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+    )
+    .bind(audit.at.0)
+    .bind(&audit.kind)
+    .bind(&audit.subject)
+    .bind(&audit.actor)
+    .bind(&audit.action)
+    .bind(&audit.trigger)
+    .bind(&audit.reason)
+    .bind(&audit.figures)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// SQLite's default page size, which the ledger keeps.
@@ -1011,6 +1056,25 @@ impl LedgerBackend for SqliteBackend {
                 }
                 let mut tx = w.0.begin().await?;
                 let run = |sql: String| sqlx::query(AssertSqlSafe(sql)).bind(floor.clone()).bind(keys_since.0);
+                // B4: a balance is credits minus the requests' costs, so the costs of the
+                // requests pruned now are folded into a credit (and a key's spend) first.
+                run(format!(
+                    "INSERT INTO balance_entries (owner, at, kind, amount_usd, actor, reason) \
+                     SELECT owner, {at}, 'pruned_charges', -SUM(cost_usd), 'gateway', 'costs of pruned requests' \
+                     FROM requests WHERE id IN ({pick}) AND owner IS NOT NULL AND cost_usd IS NOT NULL \
+                     GROUP BY owner HAVING SUM(cost_usd) <> 0",
+                    at = now.0
+                ))
+                .execute(&mut *tx)
+                .await?;
+                run(format!(
+                    "INSERT INTO key_spend (key_name, folded_usd) \
+                     SELECT key_name, SUM(cost_usd) FROM requests WHERE id IN ({pick}) \
+                     AND key_name IS NOT NULL AND cost_usd IS NOT NULL GROUP BY key_name HAVING SUM(cost_usd) <> 0 \
+                     ON CONFLICT (key_name) DO UPDATE SET folded_usd = folded_usd + excluded.folded_usd"
+                ))
+                .execute(&mut *tx)
+                .await?;
                 writer_rows.1 += run(format!("DELETE FROM attempts WHERE request_id IN ({pick})"))
                     .execute(&mut *tx)
                     .await?
@@ -1043,6 +1107,253 @@ impl LedgerBackend for SqliteBackend {
         }
         report.bytes_after = self.file_bytes();
         Ok(report)
+    }
+
+    async fn accounts(&self) -> Result<Accounts> {
+        let credits = sqlx::query("SELECT owner, SUM(amount_usd) FROM balance_entries GROUP BY owner")
+            .fetch_all(&self.readers)
+            .await?
+            .iter()
+            .map(|r| Ok((r.try_get::<String, _>(0)?, r.try_get::<f64, _>(1)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let spend = sqlx::query(
+            "SELECT owner, key_name, SUM(cost_usd), COUNT(*) FROM requests WHERE cost_usd IS NOT NULL \
+             GROUP BY owner, key_name",
+        )
+        .fetch_all(&self.readers)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(SpendRow {
+                owner: r.try_get(0)?,
+                key_name: r.try_get(1)?,
+                route: None,
+                cost_usd: r.try_get(2)?,
+                requests: r.try_get::<i64, _>(3)?.max(0) as u64,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+        let keys = sqlx::query(
+            "SELECT name, owner, secret_sha256, hint, rpm, max_concurrency, created_at, created_by, revoked_at, \
+             revoked_by FROM api_keys ORDER BY created_at",
+        )
+        .fetch_all(&self.readers)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(StoredKey {
+                name: r.try_get("name")?,
+                owner: r.try_get("owner")?,
+                secret_sha256: r.try_get("secret_sha256")?,
+                hint: r.try_get("hint")?,
+                rpm: r.try_get::<Option<i64>, _>("rpm")?.map(|v| v as u32),
+                max_concurrency: r.try_get::<Option<i64>, _>("max_concurrency")?.map(|v| v as u32),
+                created_at: UnixMs(r.try_get("created_at")?),
+                created_by: r.try_get("created_by")?,
+                revoked_at: ms(r.try_get("revoked_at")?),
+                revoked_by: r.try_get("revoked_by")?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+        let key_spend = sqlx::query("SELECT key_name, limit_set, spend_limit_usd, folded_usd FROM key_spend")
+            .fetch_all(&self.readers)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(KeySpend {
+                    key_name: r.try_get(0)?,
+                    limit_set: r.try_get(1)?,
+                    spend_limit_usd: r.try_get(2)?,
+                    folded_usd: r.try_get(3)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Accounts {
+            credits,
+            spend,
+            keys,
+            key_spend,
+        })
+    }
+
+    async fn seed_owners(&self, seeds: &[(String, f64)], at: UnixMs) -> Result<Vec<String>> {
+        let mut w = self.writable().await?;
+        let mut tx = w.0.begin().await?;
+        let mut seeded = Vec::new();
+        for (owner, amount) in seeds {
+            let n = sqlx::query(
+                "INSERT INTO balance_entries (owner, at, kind, amount_usd, actor, reason) \
+                 SELECT ?1, ?2, 'seed', ?3, 'config', 'balance_usd in the config' \
+                 WHERE NOT EXISTS (SELECT 1 FROM balance_entries WHERE owner = ?1)",
+            )
+            .bind(owner)
+            .bind(at.0)
+            .bind(amount)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if n > 0 {
+                seeded.push(owner.clone());
+            }
+        }
+        tx.commit().await?;
+        Ok(seeded)
+    }
+
+    async fn credit(&self, e: &BalanceEntry, audit: &AuditEntry) -> Result<()> {
+        let mut w = self.writable().await?;
+        let mut tx = w.0.begin().await?;
+        sqlx::query(
+            "INSERT INTO balance_entries (owner, at, kind, amount_usd, actor, reason) VALUES (?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&e.owner)
+        .bind(e.at.0)
+        .bind(&e.kind)
+        .bind(e.amount_usd)
+        .bind(&e.actor)
+        .bind(&e.reason)
+        .execute(&mut *tx)
+        .await?;
+        insert_audit(&mut tx, audit).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn create_key(&self, k: &StoredKey, audit: &AuditEntry) -> Result<()> {
+        let mut w = self.writable().await?;
+        let mut tx = w.0.begin().await?;
+        let taken = sqlx::query("SELECT 1 FROM api_keys WHERE name = ? OR secret_sha256 = ?")
+            .bind(&k.name)
+            .bind(&k.secret_sha256)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if taken.is_some() {
+            return Err(Error::Conflict(format!("a key named `{}` exists already", k.name)));
+        }
+        sqlx::query(
+            "INSERT INTO api_keys (name, owner, secret_sha256, hint, rpm, max_concurrency, created_at, created_by) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&k.name)
+        .bind(&k.owner)
+        .bind(&k.secret_sha256)
+        .bind(&k.hint)
+        .bind(k.rpm.map(i64::from))
+        .bind(k.max_concurrency.map(i64::from))
+        .bind(k.created_at.0)
+        .bind(&k.created_by)
+        .execute(&mut *tx)
+        .await?;
+        insert_audit(&mut tx, audit).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn revoke_key(&self, name: &str, at: UnixMs, by: &str, audit: &AuditEntry) -> Result<()> {
+        let mut w = self.writable().await?;
+        let mut tx = w.0.begin().await?;
+        let n = sqlx::query("UPDATE api_keys SET revoked_at = ?, revoked_by = ? WHERE name = ? AND revoked_at IS NULL")
+            .bind(at.0)
+            .bind(by)
+            .bind(name)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if n == 0 {
+            return Err(Error::NotFound);
+        }
+        insert_audit(&mut tx, audit).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn set_spend_limit(
+        &self,
+        key_name: &str,
+        limit: Option<f64>,
+        at: UnixMs,
+        by: &str,
+        audit: &AuditEntry,
+    ) -> Result<()> {
+        let mut w = self.writable().await?;
+        let mut tx = w.0.begin().await?;
+        sqlx::query(
+            "INSERT INTO key_spend (key_name, limit_set, spend_limit_usd, set_at, set_by) VALUES (?, 1, ?, ?, ?) \
+             ON CONFLICT (key_name) DO UPDATE SET limit_set = 1, spend_limit_usd = excluded.spend_limit_usd, \
+             set_at = excluded.set_at, set_by = excluded.set_by",
+        )
+        .bind(key_name)
+        .bind(limit)
+        .bind(at.0)
+        .bind(by)
+        .execute(&mut *tx)
+        .await?;
+        insert_audit(&mut tx, audit).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn spend_since(&self, since: UnixMs) -> Result<Vec<SpendRow>> {
+        sqlx::query(
+            "SELECT owner, key_name, route, SUM(cost_usd), COUNT(*) FROM requests \
+             WHERE id >= ? AND cost_usd IS NOT NULL GROUP BY owner, key_name, route",
+        )
+        .bind(uuid_floor(since))
+        .fetch_all(&self.readers)
+        .await?
+        .iter()
+        .map(|r| {
+            Ok(SpendRow {
+                owner: r.try_get(0)?,
+                key_name: r.try_get(1)?,
+                route: r.try_get(2)?,
+                cost_usd: r.try_get(3)?,
+                requests: r.try_get::<i64, _>(4)?.max(0) as u64,
+            })
+        })
+        .collect()
+    }
+
+    async fn cost_report(&self, since: UnixMs, bucket_ms: i64) -> Result<Vec<CostCell>> {
+        let bucket = bucket_ms.max(1000);
+        sqlx::query(
+            "SELECT (received_at / ?2) * ?2 AS b, owner, key_name, route, COALESCE(served_model, requested_model), \
+             COUNT(*), SUM(CASE WHEN cost_usd IS NULL THEN 1 ELSE 0 END), COALESCE(SUM(cost_usd), 0), \
+             COALESCE(SUM(failed_cost_usd), 0), COALESCE(SUM(MAX(attempts - 1, 0)), 0), \
+             COALESCE(SUM(CASE WHEN cost_usd IS NOT NULL THEN estimated_cost_usd END), 0), \
+             COALESCE(SUM(CASE WHEN estimated_cost_usd IS NOT NULL THEN cost_usd END), 0), \
+             COALESCE(SUM(CASE WHEN input_tokens IS NOT NULL THEN estimated_input_tokens END), 0), \
+             COALESCE(SUM(CASE WHEN estimated_input_tokens IS NOT NULL THEN \
+                 input_tokens + COALESCE(CASE WHEN format = 'anthropic' THEN COALESCE(cached_input_tokens, 0) \
+                 + COALESCE(cache_write_tokens, 0) END, 0) END), 0) \
+             FROM requests WHERE id >= ?1 AND state NOT IN ('received') \
+             GROUP BY b, owner, key_name, route, COALESCE(served_model, requested_model) ORDER BY b",
+        )
+        .bind(uuid_floor(since))
+        .bind(bucket)
+        .fetch_all(&self.readers)
+        .await?
+        .iter()
+        .map(|r| {
+            let n = |i: usize| -> Result<u64> { Ok(r.try_get::<i64, _>(i)?.max(0) as u64) };
+            Ok(CostCell {
+                at: UnixMs(r.try_get(0)?),
+                owner: r.try_get(1)?,
+                key_name: r.try_get(2)?,
+                route: r.try_get(3)?,
+                model: r.try_get(4)?,
+                requests: n(5)?,
+                unknown_cost: n(6)?,
+                cost_usd: r.try_get(7)?,
+                failed_cost_usd: r.try_get(8)?,
+                retries: n(9)?,
+                estimated_usd: r.try_get(10)?,
+                estimated_actual_usd: r.try_get(11)?,
+                estimated_input_tokens: n(12)?,
+                actual_input_tokens: n(13)?,
+            })
+        })
+        .collect()
     }
 
     async fn maintain(&self) -> Result<u64> {

@@ -541,6 +541,11 @@ impl Ledger {
         self.backend.prune(now, finished_before, keys_since, vacuum).await
     }
 
+    /// The store itself, for what the request path never touches (accounts, reports).
+    pub fn store(&self) -> &dyn LedgerBackend {
+        &*self.backend
+    }
+
     pub async fn control_states(&self) -> Result<Vec<crate::ControlState>> {
         self.backend.control_states().await
     }
@@ -1242,6 +1247,37 @@ mod tests {
         }
         async fn audit(&self, k: Option<&str>, s: Option<&str>, n: u32) -> Result<Vec<crate::AuditEntry>> {
             self.inner.audit(k, s, n).await
+        }
+        async fn accounts(&self) -> Result<crate::Accounts> {
+            self.inner.accounts().await
+        }
+        async fn seed_owners(&self, seeds: &[(String, f64)], at: UnixMs) -> Result<Vec<String>> {
+            self.inner.seed_owners(seeds, at).await
+        }
+        async fn credit(&self, e: &crate::BalanceEntry, a: &crate::AuditEntry) -> Result<()> {
+            self.inner.credit(e, a).await
+        }
+        async fn create_key(&self, k: &crate::StoredKey, a: &crate::AuditEntry) -> Result<()> {
+            self.inner.create_key(k, a).await
+        }
+        async fn revoke_key(&self, n: &str, at: UnixMs, by: &str, a: &crate::AuditEntry) -> Result<()> {
+            self.inner.revoke_key(n, at, by, a).await
+        }
+        async fn set_spend_limit(
+            &self,
+            n: &str,
+            l: Option<f64>,
+            at: UnixMs,
+            by: &str,
+            a: &crate::AuditEntry,
+        ) -> Result<()> {
+            self.inner.set_spend_limit(n, l, at, by, a).await
+        }
+        async fn spend_since(&self, since: UnixMs) -> Result<Vec<crate::SpendRow>> {
+            self.inner.spend_since(since).await
+        }
+        async fn cost_report(&self, since: UnixMs, bucket: i64) -> Result<Vec<crate::CostCell>> {
+            self.inner.cost_report(since, bucket).await
         }
         async fn maintain(&self) -> Result<u64> {
             self.inner.maintain().await
