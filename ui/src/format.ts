@@ -51,6 +51,18 @@ export function usd(v: number | null | undefined, unknown = 0): string {
   return unknown > 0 ? `${s} + ${unknown} unpriced` : s
 }
 
+/** Money to the precision it matters at: 4 decimals under $1 (a request costs fractions of
+ * a cent), 2 above; a deficit keeps its sign; unknown is never shown as zero. */
+export function money(v: number | null | undefined): string {
+  if (v === null || v === undefined || Number.isNaN(v)) return 'unknown'
+  const a = Math.abs(v)
+  const sign = v < 0 ? '-' : ''
+  if (a === 0) return '$0.00'
+  if (a < 0.0001) return `${sign === '-' ? '>-' : '<'}$0.0001`
+  if (a < 1) return `${sign}$${a.toFixed(4)}`
+  return `${sign}$${a.toLocaleString('en-US', { minimumFractionDigits: 2, maximumFractionDigits: 2 })}`
+}
+
 export function count(v: number | null | undefined): string {
   if (v === null || v === undefined) return '—'
   return v.toLocaleString('en-US')
@@ -108,6 +120,9 @@ const GATEWAY_CLASS: Record<GatewayClass, string> = {
   idempotency_in_progress: 'Idempotency-Key still in progress',
   idempotency_unknown: 'Idempotency-Key outcome unknown',
   idempotency_completed: 'Idempotency-Key completed, response not kept',
+  insufficient_balance: 'owner balance spent',
+  spend_limit: 'key spend limit reached',
+  daily_budget: 'owner daily budget spent',
 }
 
 export function failureClass(c: FailureClass | null): string {

@@ -38,6 +38,14 @@ enum Command {
         #[command(subcommand)]
         command: LedgerCommand,
     },
+    /// Make, list and revoke gateway keys on a running gateway (through its admin API).
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+        /// The gateway's address.
+        #[arg(long, global = true, default_value = "http://127.0.0.1:8787")]
+        gateway: String,
+    },
     /// Run the simulated providers.
     Sim {
         /// Scenario file (YAML): behaviour per channel.
@@ -45,6 +53,40 @@ enum Command {
         scenario: Option<PathBuf>,
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: SocketAddr,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeysCommand {
+    /// Make a key (B5): its secret is printed once; the gateway keeps only its hash.
+    Create {
+        #[arg(long)]
+        name: String,
+        /// An owner listed in the gateway's config; the key draws on its balance.
+        #[arg(long)]
+        owner: String,
+        #[arg(long)]
+        rpm: Option<u32>,
+        #[arg(long)]
+        max_concurrency: Option<u32>,
+        #[arg(long)]
+        spend_limit_usd: Option<f64>,
+        /// Who makes it, for the audit log. Default: $USER.
+        #[arg(long)]
+        actor: Option<String>,
+        /// Why, for the audit log.
+        #[arg(long)]
+        reason: String,
+    },
+    /// List the keys with their spend and limits.
+    List,
+    /// Revoke a key made with `keys create` or in the console.
+    Revoke {
+        name: String,
+        #[arg(long)]
+        actor: Option<String>,
+        #[arg(long)]
+        reason: String,
     },
 }
 
@@ -108,6 +150,89 @@ async fn prune(config: Option<PathBuf>, ledger: Option<PathBuf>, older_than_days
         mib(r.bytes_before),
         mib(r.bytes_after)
     );
+    Ok(())
+}
+
+/// `spillway keys ...`: the admin API of the gateway at `gateway`, with this machine's
+/// admin token.
+async fn keys(command: KeysCommand, gateway: &str) -> Result<()> {
+    let token = spillway_engine::admin_token()?;
+    let base = gateway.trim_end_matches('/');
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(30))
+        .build()?;
+    let actor = |a: Option<String>| {
+        a.or_else(|| std::env::var("USER").ok())
+            .unwrap_or_else(|| "cli".to_owned())
+    };
+    let send = |req: reqwest::RequestBuilder| async {
+        let resp = req
+            .bearer_auth(token.secret())
+            .send()
+            .await
+            .with_context(|| format!("cannot reach the gateway at {base}; is `spillway serve` running there?"))?;
+        let status = resp.status();
+        let body: serde_json::Value = resp.json().await.unwrap_or_default();
+        if !status.is_success() {
+            let msg = body.get("error").and_then(|e| e.as_str()).unwrap_or("no message");
+            anyhow::bail!("the gateway refused ({status}): {msg}");
+        }
+        Ok(body)
+    };
+    match command {
+        KeysCommand::Create {
+            name,
+            owner,
+            rpm,
+            max_concurrency,
+            spend_limit_usd,
+            actor: a,
+            reason,
+        } => {
+            let body = serde_json::json!({"name": name, "owner": owner, "rpm": rpm,
+                "max_concurrency": max_concurrency, "spend_limit_usd": spend_limit_usd,
+                "actor": actor(a), "reason": reason});
+            let made = send(client.post(format!("{base}/admin/v1/keys")).json(&body)).await?;
+            let secret = made.get("secret").and_then(|s| s.as_str()).unwrap_or_default();
+            announce(&format!(
+                "key {name} for owner {owner} (shown once, store it now): {secret}"
+            ));
+        }
+        KeysCommand::List => {
+            let list = send(client.get(format!("{base}/admin/v1/keys"))).await?;
+            println!(
+                "{:<24} {:<16} {:<8} {:>12} {:>12}  status",
+                "name", "owner", "origin", "spent USD", "limit USD"
+            );
+            for k in list.as_array().into_iter().flatten() {
+                let s = |f: &str| k.get(f).and_then(|v| v.as_str()).unwrap_or("").to_owned();
+                let limit = k
+                    .get("spend_limit_usd")
+                    .and_then(|v| v.as_f64())
+                    .map_or("none".to_owned(), |l| format!("{l:.2}"));
+                let status = if k.get("revoked_at").is_some_and(|v| !v.is_null()) {
+                    "revoked"
+                } else {
+                    "active"
+                };
+                println!(
+                    "{:<24} {:<16} {:<8} {:>12.4} {:>12}  {status}",
+                    s("name"),
+                    s("owner"),
+                    s("origin"),
+                    k.get("spent_usd").and_then(|v| v.as_f64()).unwrap_or(0.0),
+                    limit
+                );
+            }
+        }
+        KeysCommand::Revoke { name, actor: a, reason } => {
+            let body = serde_json::json!({"actor": actor(a), "reason": reason});
+            let path = format!("{base}/admin/v1/keys/{}/revoke", name.replace('/', "%2F"));
+            send(client.post(path).json(&body)).await?;
+            announce(&format!("key {name} revoked: requests with it get 401 from now on"));
+        }
+    }
     Ok(())
 }
 
@@ -248,9 +373,19 @@ fn main() -> Result<()> {
                     c.keys.len(),
                     c.owners.len()
                 );
+                if let Some(p) = &c.pricing {
+                    let pricing = spillway_engine::read_pricing(p)?;
+                    println!(
+                        "{}: ok (pricing catalog {}, {} models)",
+                        p.display(),
+                        pricing.version,
+                        pricing.models.len()
+                    );
+                }
                 Ok(())
             }
             Command::Sim { scenario, listen } => sim(scenario, listen).await,
+            Command::Keys { command, gateway } => keys(command, &gateway).await,
             Command::Ledger {
                 command:
                     LedgerCommand::Prune {

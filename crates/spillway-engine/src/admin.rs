@@ -138,6 +138,9 @@ pub struct Tick {
 pub struct RequestDetail {
     pub request: RequestRecord,
     pub attempts: Vec<AttemptRecord>,
+    /// M1: how the request's cost is computed, at the catalog in force now (its version
+    /// is `pricing_version`; a different one is named).
+    pub cost_breakdown: Option<String>,
 }
 
 /// An admin API error.
@@ -146,7 +149,7 @@ pub struct AdminError {
     pub error: String,
 }
 
-fn admin_error(status: StatusCode, msg: impl Into<String>) -> Response {
+pub(crate) fn admin_error(status: StatusCode, msg: impl Into<String>) -> Response {
     (status, axum::Json(AdminError { error: msg.into() })).into_response()
 }
 
@@ -296,12 +299,53 @@ async fn detail(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Resp
     }
     match st.ledger.get_request(&id).await {
         Ok(Some(request)) => match st.ledger.attempts(&id).await {
-            Ok(attempts) => axum::Json(RequestDetail { request, attempts }).into_response(),
+            Ok(attempts) => {
+                let cost_breakdown = cost_breakdown(&st, &request);
+                axum::Json(RequestDetail {
+                    request,
+                    attempts,
+                    cost_breakdown,
+                })
+                .into_response()
+            }
             Err(e) => admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger read failed: {e}")),
         },
         Ok(None) => admin_error(StatusCode::NOT_FOUND, "No request with that id."),
         Err(e) => admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger read failed: {e}")),
     }
+}
+
+/// The final attempt's tokens priced as the request's cost was (see M1, M3).
+fn cost_breakdown(st: &AppState, r: &RequestRecord) -> Option<String> {
+    let pricing = st.accounts.pricing();
+    let model = r.served_model.as_deref().or(r.requested_model.as_deref())?;
+    let Some(price) = pricing.price(model) else {
+        return Some(format!(
+            "unknown: the pricing catalog {} has no price for {model}",
+            pricing.version
+        ));
+    };
+    let u = spillway_wire::Usage {
+        input_tokens: r.input_tokens,
+        output_tokens: r.output_tokens,
+        cached_input_tokens: r.cached_input_tokens,
+        cache_creation_tokens: r.cache_write_tokens,
+        reasoning_tokens: r.reasoning_tokens,
+    };
+    let b = u.billable(r.format)?;
+    let c = price.cost(&b);
+    let mut s = format!("{} = ${:.6} ({model}, checked {})", c.breakdown, c.usd, price.checked);
+    if let Some(f) = r.failed_cost_usd.filter(|f| *f > 0.0) {
+        s.push_str(&format!(" + ${f:.6} for failed attempts"));
+    }
+    if r.pricing_version.as_deref().is_some_and(|v| v != pricing.version) {
+        s.push_str(&format!(
+            "; priced when it ran with catalog {}, shown with {}",
+            r.pricing_version.as_deref().unwrap_or_default(),
+            pricing.version
+        ));
+    }
+    Some(s)
 }
 
 /// Who acts and why: every manual change to rotation or a breaker is on the record (G4).
@@ -332,9 +376,17 @@ pub struct AuditQuery {
     pub limit: Option<u32>,
 }
 
+/// A name a client sent, as an error shows it: printable ASCII only, at most 64 characters.
+pub(crate) fn shown_name(s: &str) -> String {
+    s.chars()
+        .take(64)
+        .map(|c| if c.is_ascii_graphic() { c } else { '?' })
+        .collect()
+}
+
 /// The actor and reason, checked: both present, printable, bounded. The error is what
 /// the 422 says.
-fn checked(actor: &str, reason: &str) -> Result<(String, String), String> {
+pub(crate) fn checked(actor: &str, reason: &str) -> Result<(String, String), String> {
     let (actor, reason) = (actor.trim(), reason.trim());
     let bad = |s: &str, max: usize| s.is_empty() || s.chars().count() > max || s.chars().any(char::is_control);
     if bad(actor, 64) {
@@ -346,7 +398,7 @@ fn checked(actor: &str, reason: &str) -> Result<(String, String), String> {
     Ok((actor.to_owned(), reason.to_owned()))
 }
 
-fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+pub(crate) fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
     serde_json::from_slice(body).map_err(|e| {
         format!(
             "The body is not the expected JSON: {}",
@@ -355,7 +407,7 @@ fn json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
     })
 }
 
-fn unprocessable(msg: String) -> Response {
+pub(crate) fn unprocessable(msg: String) -> Response {
     admin_error(StatusCode::UNPROCESSABLE_ENTITY, msg)
 }
 
@@ -483,7 +535,11 @@ async fn unknowns(State(st): State<Arc<AppState>>, Query(q): Query<UnknownsQuery
     let mut out = Vec::with_capacity(list.len());
     for request in list {
         match st.ledger.attempts(&request.id).await {
-            Ok(attempts) => out.push(RequestDetail { request, attempts }),
+            Ok(attempts) => out.push(RequestDetail {
+                cost_breakdown: cost_breakdown(&st, &request),
+                request,
+                attempts,
+            }),
             Err(e) => return admin_error(StatusCode::INTERNAL_SERVER_ERROR, format!("ledger read failed: {e}")),
         }
     }
@@ -695,6 +751,12 @@ pub fn router(st: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/admin/v1/events", get(events))
         .route("/admin/v1/requests", get(search))
         .route("/admin/v1/requests/{id}", get(detail))
+        .route("/admin/v1/costs", get(crate::money::costs))
+        .route("/admin/v1/pricing", get(crate::money::pricing))
+        .route("/admin/v1/keys", get(crate::money::keys).post(crate::money::create_key))
+        .route("/admin/v1/keys/{name}/revoke", post(crate::money::revoke_key))
+        .route("/admin/v1/keys/{name}/spend-limit", post(crate::money::set_spend_limit))
+        .route("/admin/v1/owners/{owner}/top-up", post(crate::money::top_up))
         .route_layer(middleware::from_fn_with_state(st, require_token))
 }
 

@@ -185,6 +185,19 @@ impl RouteControl {
         }
     }
 
+    /// G1's fourth trigger: the route's last hour cost `last_hour_usd` against its
+    /// `daily_budget_usd`.
+    pub fn on_cost(&self, st: &AppState, last_hour_usd: f64, daily_budget_usd: f64) {
+        let now = Instant::now();
+        let moved = self.with(|i| {
+            let t = i.breaker.on_cost(last_hour_usd, daily_budget_usd, now);
+            self.saved(st, i, t, "gateway", None)
+        });
+        if let Some(t) = moved {
+            st.control.announce(st, &self.name, &t);
+        }
+    }
+
     /// When an open breaker's next probe is due, if it is open with one due.
     pub fn retry_after(&self) -> Option<Duration> {
         let now = Instant::now();
@@ -386,8 +399,16 @@ impl Control {
     pub fn views(&self, st: &AppState) -> Vec<RouteControlView> {
         let mut routes: Vec<Arc<RouteControl>> = lock(&self.routes).iter().flat_map(|m| m.values().cloned()).collect();
         routes.sort_by(|a, b| a.name.cmp(&b.name));
-        let cost = cost_trigger(st);
-        routes.iter().map(|r| r.view(&cost)).collect()
+        let budgets: std::collections::HashMap<String, crate::accounts::RouteBudgetView> = st
+            .accounts
+            .routes(crate::clock::now())
+            .into_iter()
+            .map(|b| (b.route.clone(), b))
+            .collect();
+        routes
+            .iter()
+            .map(|r| r.view(&cost_trigger(budgets.get(&r.name))))
+            .collect()
     }
 
     /// D4: the channel a conversation was last served by.
@@ -677,9 +698,16 @@ impl Control {
     }
 }
 
-/// G1's cost trigger has no budget to compare with until budgets exist.
-fn cost_trigger(_st: &AppState) -> String {
-    "dormant: no budget configured".to_owned()
+/// G1's cost trigger as the console states it: the figures, or why it is dormant.
+fn cost_trigger(b: Option<&crate::accounts::RouteBudgetView>) -> String {
+    match b.and_then(|b| b.daily_budget_usd.map(|d| (b, d))) {
+        Some((b, d)) => format!(
+            "last hour ${:.2} of a ${d:.2} daily budget; opens above ${:.2} (25 %)",
+            b.last_hour_usd,
+            d * 0.25
+        ),
+        None => "dormant: no daily budget for this route (budgets.routes in the config)".to_owned(),
+    }
 }
 
 /// Records what time alone changes: channels whose cool-down ended come back (D5), on the

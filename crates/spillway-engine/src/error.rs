@@ -68,6 +68,15 @@ pub enum GatewayError {
     /// B2.
     #[error("This API key has reached its rate or concurrency limit.")]
     KeyLimited { retry_after_s: u64 },
+    /// B3: the owner's balance is at or below zero.
+    #[error("Insufficient balance. Top up at the dashboard.")]
+    InsufficientBalance,
+    /// B3: the key has spent its limit.
+    #[error("This API key has reached its spend limit.")]
+    SpendLimit,
+    /// The owner has spent its daily budget; it starts again at the next day boundary.
+    #[error("This API key's owner has spent its daily budget of ${budget:.2}; it resets at {resets}.")]
+    DailyBudget { budget: f64, resets: String },
     /// E2: every channel of the group is out of rotation until an operator restores it.
     #[error("No channel serving this model is in rotation ({detail}). An operator must restore a channel.")]
     NoChannelInRotation { detail: String },
@@ -179,6 +188,9 @@ impl GatewayError {
             | GatewayError::UnknownResponse
             | GatewayError::UnknownModel { .. } => ErrorKind::NotFound,
             GatewayError::MethodNotAllowed => ErrorKind::MethodNotAllowed,
+            GatewayError::InsufficientBalance | GatewayError::SpendLimit | GatewayError::DailyBudget { .. } => {
+                ErrorKind::InsufficientQuota
+            }
             GatewayError::CapacityBusy { .. }
             | GatewayError::CapacityQueueFull { .. }
             | GatewayError::KeyLimited { .. } => ErrorKind::RateLimited,
@@ -219,6 +231,9 @@ impl GatewayError {
             GatewayError::CapacityBusy { .. } => GatewayClass::CapacityBusy,
             GatewayError::CapacityQueueFull { .. } => GatewayClass::CapacityQueueFull,
             GatewayError::KeyLimited { .. } => GatewayClass::KeyLimited,
+            GatewayError::InsufficientBalance => GatewayClass::InsufficientBalance,
+            GatewayError::SpendLimit => GatewayClass::SpendLimit,
+            GatewayError::DailyBudget { .. } => GatewayClass::DailyBudget,
             GatewayError::NoChannelInRotation { .. } => GatewayClass::NoChannelInRotation,
             GatewayError::BreakerOpen { .. } => GatewayClass::BreakerOpen,
             GatewayError::ChannelsCoolingDown { .. } => GatewayClass::ChannelsCoolingDown,

@@ -50,6 +50,9 @@ pub struct Ctx {
     pub probe: Option<crate::control::Probe>,
     /// D4: the conversation, pinned to the channel that answers it.
     pub conversation: u64,
+    /// M2: the gateway asked for the stream's usage (the client did not): the usage-only
+    /// chunk is taken out of what the client sees.
+    pub strip_usage: bool,
 }
 
 /// What one upstream call brought back.

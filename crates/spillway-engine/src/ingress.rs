@@ -258,7 +258,7 @@ pub(crate) fn authenticate(
         }));
     };
     let digest: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
-    st.keys.get(&digest).cloned().ok_or(GatewayError::InvalidKey)
+    st.accounts.key(&digest).ok_or(GatewayError::InvalidKey)
 }
 
 /// Refused without a ledger row (no valid key, a foreign Host, a ledger refusing writes):
@@ -390,6 +390,12 @@ async fn handle<C: Caller>(
     let mut life = Life::new(st.clone(), rec, conn);
     life.api = api;
     life.set_trace(&trace);
+    // B3: an owner without balance, a key past its spend limit: refused before anything
+    // else is read, and nothing goes upstream.
+    if let Err(e) = st.accounts.admit(&key, received_at) {
+        return life.close(End::refused(e)).await;
+    }
+    life.set_key(key.clone());
 
     // Cheap refusals first: nothing of the body has been read yet.
     if !is_json(&parts.headers) {
@@ -446,6 +452,8 @@ async fn handle<C: Caller>(
     }
     life.rec.route = Some(format!("{format}/{}", parsed.model));
     life.set_route();
+    // M3: what the call is expected to cost, before it is made.
+    life.estimate(&parsed);
     if st.config.store_prompts {
         life.keep_prompt(bytes.clone());
     }
@@ -555,13 +563,27 @@ async fn handle<C: Caller>(
         };
         return life.close(End::refused(e)).await;
     }
+    // M2: an OpenAI chat stream reports usage only when asked: the gateway asks, and
+    // takes the extra chunk out again, so the client sees the stream it asked for.
+    let mut body = bytes;
+    let mut strip_usage = false;
+    if format == Format::OpenAi
+        && api == Api::Generate
+        && parsed.stream
+        && !parsed.include_usage
+        && let Some(b) = spillway_wire::request::with_stream_usage(&body)
+    {
+        body = Bytes::from(b);
+        strip_usage = true;
+    }
     let client_gone = tokio_util::sync::CancellationToken::new();
     let mut ctx = Ctx {
         format,
         api,
         uri: parts.uri,
         headers: parts.headers,
-        body: bytes,
+        body,
+        strip_usage,
         capacity_wait_left: capacity_wait.saturating_sub(admitted.waited.unwrap_or_default()),
         parsed,
         trace,

@@ -10,6 +10,7 @@
 //! The library knows nothing of the simulator or the demo: the `spillway` binary and the
 //! desktop shell wire those in.
 
+pub mod accounts;
 pub mod admin;
 pub mod clock;
 pub mod console;
@@ -24,6 +25,7 @@ pub mod life;
 pub mod limits;
 pub mod metrics;
 pub mod models;
+pub mod money;
 pub mod otel;
 pub mod prom;
 pub mod retry;
@@ -62,6 +64,16 @@ pub enum Error {
     NoDataDir,
     #[error("cannot read or create the admin token in {dir}: {source}")]
     AdminToken { dir: String, source: std::io::Error },
+    /// M1: the config's `pricing:` file is missing or invalid.
+    #[error("pricing catalog: {0}")]
+    Pricing(String),
+}
+
+/// Reads and validates the pricing catalog at `path` (M1).
+pub fn read_pricing(path: &std::path::Path) -> Result<spillway_policy::Pricing> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| Error::Pricing(format!("cannot read {}: {e}", path.display())))?;
+    spillway_policy::Pricing::parse(&path.display().to_string(), &text).map_err(|e| Error::Pricing(e.to_string()))
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -182,7 +194,11 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
         Some(l) => l,
         None => Ledger::open_sqlite(&opts.ledger_path).await?,
     };
-    let mut state = AppState::new(config, ledger)?;
+    let pricing = match &config.pricing {
+        Some(p) => read_pricing(p)?,
+        None => spillway_policy::Pricing::builtin(),
+    };
+    let mut state = AppState::with_pricing(config, ledger, pricing)?;
     state.admin_token = opts.admin_token;
     state.console = opts.console;
     state.otel = opts.otel;
@@ -192,6 +208,12 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
     if restored > 0 {
         tracing::info!(restored, "breaker and channel states restored from the ledger");
     }
+    // B3-B5: balances, spend and made keys, read back before the first request.
+    let seeded = state.accounts.load(&state.config, &state.ledger, clock::now()).await?;
+    if !seeded.is_empty() {
+        tracing::info!(owners = ?seeded, "owners' balances seeded from the config (first time the ledger meets them)");
+    }
+    pricing_upkeep(&state);
     watch_ledger(&state);
     ledger_upkeep(&state);
     control::tick(&state);
@@ -208,6 +230,72 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
         server_done,
         finishing: tokio::sync::Mutex::new(()),
     })
+}
+
+/// How often a config's pricing file is looked at for changes.
+const PRICING_POLL: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// M1: logs stale prices (at start-up and daily), and reloads a config's
+/// `pricing:` file when it changes: a bad edit keeps the catalog in force and says why.
+fn pricing_upkeep(st: &Arc<AppState>) {
+    let weak = Arc::downgrade(st);
+    let path = st.config.pricing.clone();
+    tokio::spawn(async move {
+        let stamp = |p: &std::path::Path| std::fs::metadata(p).ok().map(|m| (m.modified().ok(), m.len()));
+        let mut seen = path.as_deref().and_then(stamp);
+        let mut last_stale_day = i64::MIN;
+        loop {
+            let Some(st) = weak.upgrade() else { return };
+            if st.shutdown.draining.is_cancelled() {
+                return;
+            }
+            if let Some(p) = &path {
+                let now_stamp = stamp(p);
+                if now_stamp != seen {
+                    seen = now_stamp;
+                    match read_pricing(p) {
+                        Ok(new) => {
+                            let body = format!(
+                                "version {} from {}, {} models",
+                                new.version,
+                                new.origin,
+                                new.models.len()
+                            );
+                            st.accounts.set_pricing(new);
+                            st.alert(state::Severity::Resolved, "Pricing catalog reloaded".into(), body, None);
+                            last_stale_day = i64::MIN;
+                        }
+                        Err(e) => st.alert(
+                            state::Severity::Warning,
+                            "Pricing catalog not reloaded: the edit is invalid; the previous version stays in force"
+                                .into(),
+                            e.to_string(),
+                            None,
+                        ),
+                    }
+                }
+            }
+            let today = clock::now().0.div_euclid(86_400_000);
+            if today != last_stale_day {
+                // The console flags stale prices where costs are shown; the log says it
+                // once a day.
+                last_stale_day = today;
+                let p = st.accounts.pricing();
+                let stale: Vec<&str> = p.stale(today).map(|m| m.model.as_str()).collect();
+                if !stale.is_empty() {
+                    tracing::warn!(
+                        catalog = %p.version,
+                        origin = %p.origin,
+                        "{} prices are older than 30 days (costs still use them): {}",
+                        stale.len(),
+                        stale.join(", ")
+                    );
+                }
+            }
+            drop(st);
+            tokio::time::sleep(PRICING_POLL).await;
+        }
+    });
 }
 
 /// How often the ledger's figures (unknowns, duplicates, size) are recomputed.

@@ -124,6 +124,12 @@ pub struct Life {
     prompt: Option<Bytes>,
     /// What the request asks of the provider (chat, Responses, embeddings, counting).
     pub api: spillway_wire::Api,
+    /// B3, B4: the key whose owner pays, once authenticated.
+    key: Option<Arc<crate::state::KeyRt>>,
+    /// M1: the catalog this request is priced with (one version from estimate to cost).
+    pricing: Option<Arc<spillway_policy::Pricing>>,
+    /// M3: what the failed attempts so far cost (those that consumed tokens).
+    failed_cost: f64,
 }
 
 impl Life {
@@ -145,7 +151,103 @@ impl Life {
             capture: None,
             prompt: None,
             api: spillway_wire::Api::Generate,
+            key: None,
+            pricing: None,
+            failed_cost: 0.0,
         }
+    }
+
+    /// B4: the key whose owner the request's cost is charged to when it closes.
+    pub fn set_key(&mut self, key: Arc<crate::state::KeyRt>) {
+        self.key = Some(key);
+    }
+
+    /// M3: the cost expected before the call: the input counted from the body, plus the
+    /// client's output cap (or [`crate::accounts::ASSUMED_OUTPUT_TOKENS`] without one),
+    /// at the catalog's uncached prices. Unknown for an unpriced model.
+    pub fn estimate(&mut self, parsed: &spillway_wire::ParsedRequest) {
+        use spillway_wire::Api;
+        let pricing = self.st.accounts.pricing();
+        let input = parsed.estimated_input_tokens;
+        self.rec.estimated_input_tokens = Some(input);
+        let output = match self.api {
+            Api::Embeddings | Api::CountTokens => 0,
+            Api::Generate | Api::Responses => parsed
+                .max_output_tokens
+                .unwrap_or(crate::accounts::ASSUMED_OUTPUT_TOKENS),
+        };
+        if let Some(p) = pricing.price(&parsed.model) {
+            let t = spillway_wire::usage::Billable {
+                input,
+                output,
+                ..Default::default()
+            };
+            self.rec.estimated_cost_usd = Some(if self.api == Api::CountTokens {
+                0.0
+            } else {
+                p.cost(&t).usd
+            });
+            self.rec.pricing_version = Some(pricing.version.clone());
+        }
+        self.pricing = Some(pricing);
+    }
+
+    /// M1: the price of the model the request is served by, when the catalog has one.
+    fn price(&self) -> Option<&spillway_policy::ModelPrice> {
+        let model = self
+            .rec
+            .served_model
+            .as_deref()
+            .or(self.rec.requested_model.as_deref())?;
+        self.pricing.as_ref()?.price(model)
+    }
+
+    /// M3: what tokens `att` reported cost (a failed attempt can have consumed some).
+    fn attempt_cost(&self, att: &AttemptRecord) -> Option<f64> {
+        if att.input_tokens.is_none() && att.output_tokens.is_none() {
+            return None;
+        }
+        let u = Usage {
+            input_tokens: att.input_tokens,
+            output_tokens: att.output_tokens,
+            ..Default::default()
+        };
+        Some(self.price()?.cost(&u.billable(self.rec.format)?).usd)
+    }
+
+    /// M1–M3: the final attempt's tokens become its cost and the request's (failed
+    /// attempts included). The record keeps the tokens as reported; `usage` may carry
+    /// estimates standing in for what the provider did not report.
+    fn price_request(&mut self, att: &mut AttemptRecord, usage: &Usage) {
+        if self.api == spillway_wire::Api::CountTokens {
+            // Counting is free at the providers (the ingress set 0).
+            return;
+        }
+        let Some(price) = self.price() else {
+            return;
+        };
+        let failed = self.failed_cost;
+        let cost = usage.billable(self.rec.format).map(|b| price.cost(&b).usd);
+        att.cost_usd = cost;
+        self.rec.cost_usd = cost.map(|c| c + failed);
+        self.rec.failed_cost_usd = Some(failed);
+    }
+
+    /// A request that ended without an answer: only what its failed attempts consumed
+    /// (the provider bills nothing for a refusal, a 5xx or a 429). Unknown when the model
+    /// is unpriced.
+    fn price_failure(&mut self, att: Option<&mut AttemptRecord>) {
+        if self.api == spillway_wire::Api::CountTokens || self.price().is_none() {
+            return;
+        }
+        if let Some(a) = att
+            && let Some(c) = self.attempt_cost(a)
+        {
+            a.cost_usd = Some(c);
+            self.failed_cost += c;
+        }
+        self.rec.cost_usd = Some(self.failed_cost);
+        self.rec.failed_cost_usd = Some(self.failed_cost);
     }
 
     /// I2: the request runs under `key`, which `claim` holds for it. The key is on its
@@ -278,7 +380,11 @@ impl Life {
     }
 
     /// A failed attempt that the loop goes on from, with its decision.
-    pub async fn record_attempt(&mut self, att: AttemptRecord) {
+    pub async fn record_attempt(&mut self, mut att: AttemptRecord) {
+        if let Some(c) = self.attempt_cost(&att) {
+            att.cost_usd = Some(c);
+            self.failed_cost += c;
+        }
         self.traced(&att);
         if let Some(r) = &self.route {
             self.st.metrics.attempt_failed(r, att.error_class);
@@ -344,6 +450,13 @@ impl Life {
                 mut att,
             }) => {
                 apply_usage(&mut self.rec, &mut att, &usage);
+                let mut billed = usage;
+                if billed.is_empty() && self.api == spillway_wire::Api::Embeddings {
+                    // Gemini's embedContent reports no usage: the input counted before
+                    // the call stands in (embeddings have no output).
+                    billed.input_tokens = self.rec.estimated_input_tokens;
+                }
+                self.price_request(&mut att, &billed);
                 att.finished_at = Some(now);
                 att.decision = Some(Decision::Done);
                 self.rec.upstream_request_id = att.upstream_request_id.clone();
@@ -378,6 +491,7 @@ impl Life {
                 mut att,
                 signal,
             }) => {
+                self.price_failure(None);
                 att.finished_at = Some(now);
                 att.decision = Some(Decision::PassedThrough);
                 att.decision_reason = Some(StopReason::NotRetryable);
@@ -393,7 +507,7 @@ impl Life {
                 self.settle(Some(att)).await;
                 out
             }
-            End::Error { err, class, att } => {
+            End::Error { err, class, mut att } => {
                 let gone = matches!(err, GatewayError::ClientGone);
                 let class: FailureClass = match (gone, err.class(), class) {
                     (true, _, _) => self.gone_class().into(),
@@ -411,6 +525,8 @@ impl Life {
                 if !self.admitted {
                     // C3: nothing went upstream, so nothing is billed.
                     self.rec.cost_usd = Some(0.0);
+                } else {
+                    self.price_failure(att.as_mut());
                 }
                 if let Some(u) = att.as_ref().and_then(|a| a.upstream_request_id.clone()) {
                     self.rec.upstream_request_id = Some(u);
@@ -526,6 +642,16 @@ impl Life {
         let watch = &mut primed.watch;
         let mut att = primed.att.clone();
         apply_usage(&mut self.rec, &mut att, &watch.usage);
+        // M2: a stream cut before its usage came bills what it produced: the text seen,
+        // and the input counted before the call.
+        let mut billed = watch.usage;
+        if billed.output_tokens.is_none() && watch.text_bytes > 0 {
+            billed.output_tokens = Some(watch.text_bytes.div_ceil(4));
+        }
+        if billed.input_tokens.is_none() && billed.output_tokens.is_some() {
+            billed.input_tokens = self.rec.estimated_input_tokens;
+        }
+        self.price_request(&mut att, &billed);
         self.rec.first_token_at = watch.first_token_at;
         if self.rec.response_id.is_none() {
             self.rec.response_id = watch.response_id.take();
@@ -663,6 +789,23 @@ impl Life {
                 .get_or_init(|| self.st.prom.route_histograms(&c.name))
                 .record(ms(at), wait, ttft);
         }
+        // B4: the request's cost is taken from its owner's balance and its key's spend as
+        // it closes (its record carries the same cost to the ledger); G1 weighs the
+        // route's last hour, at the estimate where the cost is unknown.
+        if let Some(k) = &self.key {
+            let hour = self
+                .rec
+                .cost_usd
+                .or(self.admitted.then_some(self.rec.estimated_cost_usd).flatten());
+            if let Some(h) = self
+                .st
+                .accounts
+                .settle(k, self.rec.route.as_deref(), self.rec.cost_usd, hour, at)
+                && let Some(c) = &self.control
+            {
+                c.on_cost(&self.st, h.last_hour_usd, h.daily_budget_usd);
+            }
+        }
         if let (Some(o), Some((t, atts))) = (&self.st.otel, self.trace.take()) {
             let mut rec = self.rec.clone();
             rec.finished_at.get_or_insert(at);
@@ -752,6 +895,7 @@ fn apply_usage(rec: &mut RequestRecord, att: &mut AttemptRecord, u: &Usage) {
     rec.output_tokens = u.output_tokens;
     rec.cached_input_tokens = u.cached_input_tokens;
     rec.reasoning_tokens = u.reasoning_tokens;
+    rec.cache_write_tokens = u.cache_creation_tokens;
     att.input_tokens = u.input_tokens;
     att.output_tokens = u.output_tokens;
 }

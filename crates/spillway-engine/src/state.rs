@@ -5,8 +5,8 @@ use crate::{Error, Result};
 use serde::Serialize;
 use spillway_ledger::Ledger;
 use spillway_policy::{Channel, Config, Key};
+
 use spillway_wire::UnixMs;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -77,10 +77,15 @@ impl ChannelRt {
     }
 }
 
-/// A gateway key and its limiters (B1).
+/// A gateway key, its limiters (B1) and its spend (B3).
 pub struct KeyRt {
     pub key: Key,
     pub limits: crate::limits::KeyLimits,
+    /// Whose balance and daily budget it draws on.
+    pub owner: Arc<crate::accounts::OwnerAccount>,
+    pub spend: std::sync::Mutex<crate::accounts::KeySpendRt>,
+    /// Made from the console or the CLI (revocable), not from the config.
+    pub made: bool,
 }
 
 /// The two steps of a shutdown (see [`crate::Running::shutdown`]).
@@ -130,8 +135,8 @@ impl Shutdown {
 pub struct AppState {
     pub config: Config,
     pub channels: Vec<Arc<ChannelRt>>,
-    /// Gateway keys by the SHA-256 of their secret (B5): the secret itself is never held.
-    pub keys: HashMap<[u8; 32], Arc<KeyRt>>,
+    /// Gateway keys, owners' balances, spend and the pricing catalog (B3–B5, M1).
+    pub accounts: crate::accounts::Accounts,
     pub ledger: Ledger,
     pub client: reqwest::Client,
     pub metrics: crate::metrics::Metrics,
@@ -208,27 +213,23 @@ impl AppState {
     }
 
     pub fn new(config: Config, ledger: Ledger) -> Result<AppState> {
+        Self::with_pricing(config, ledger, spillway_policy::Pricing::builtin())
+    }
+
+    /// The same, with the pricing catalog given (a config's `pricing:` file, read by the
+    /// caller).
+    pub fn with_pricing(config: Config, ledger: Ledger, pricing: spillway_policy::Pricing) -> Result<AppState> {
         let client = Self::upstream_client(&config)?;
         let channels = config
             .channels
             .iter()
             .map(|c| Arc::new(ChannelRt::with_control(c.clone(), &config.control)))
             .collect();
-        let keys = config
-            .keys
-            .iter()
-            .map(|k| {
-                let rt = KeyRt {
-                    key: k.clone(),
-                    limits: crate::limits::KeyLimits::new(k),
-                };
-                (k.secret.0, Arc::new(rt))
-            })
-            .collect();
+        let accounts = crate::accounts::Accounts::new(&config, pricing);
         Ok(AppState {
             config,
             channels,
-            keys,
+            accounts,
             ledger,
             client,
             metrics: Default::default(),

@@ -36,6 +36,8 @@ pub struct Watch {
     pub stream_error: Option<Signal>,
     /// The Responses API's id of the response being streamed.
     pub response_id: Option<String>,
+    /// M2: bytes of output text seen, to bill a stream cut before its usage came.
+    pub text_bytes: u64,
 }
 
 impl Watch {
@@ -47,6 +49,7 @@ impl Watch {
             first_token_at: None,
             stream_error: None,
             response_id: None,
+            text_bytes: 0,
         }
     }
 
@@ -55,6 +58,7 @@ impl Watch {
             if ev.data == "[DONE]" || ev.data.is_empty() {
                 continue;
             }
+            self.text_bytes += text_len(&ev.data) as u64;
             let looks_relevant = self.first_token_at.is_none()
                 || ev.data.contains("usage")
                 || ev.data.contains("\"error\"")
@@ -78,6 +82,29 @@ impl Watch {
             }
         }
     }
+}
+
+/// The length of the output text an event carries (the first `"content"`, `"text"` or
+/// `"delta"` string), found without parsing the event: every event of every stream
+/// passes here.
+fn text_len(data: &str) -> usize {
+    const KEYS: [&str; 3] = ["\"content\":\"", "\"text\":\"", "\"delta\":\""];
+    let Some(start) = KEYS.iter().filter_map(|k| data.find(k).map(|i| i + k.len())).min() else {
+        return 0;
+    };
+    let bytes = &data.as_bytes()[start..];
+    let mut i = 0;
+    let mut n = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'"' => break,
+            // An escape is one character of text (`\n`, `\"`, `\u00e9`).
+            b'\\' => i += if bytes.get(i + 1) == Some(&b'u') { 6 } else { 2 },
+            _ => i += 1,
+        }
+        n += 1;
+    }
+    n
 }
 
 /// Does this stream event carry visible output (the "first token", H2)?
@@ -149,6 +176,84 @@ pub struct Primed {
     /// After the first token: the longest quiet spell before the stream is ended.
     idle_timeout: Duration,
     pub content_type: HeaderValue,
+    /// M2: takes out the usage chunk the gateway asked for and the client did not.
+    strip: Option<UsageStrip>,
+}
+
+/// Takes the usage-only chunk (`"choices":[]` with `usage`) out of an OpenAI chat stream.
+/// Events pass through whole: a chunk ending inside an event holds its tail until the
+/// event is complete (the client could not have used half an event anyway).
+#[derive(Default)]
+struct UsageStrip {
+    pending: Vec<u8>,
+}
+
+impl UsageStrip {
+    fn is_usage_only(event: &[u8]) -> bool {
+        let Ok(text) = std::str::from_utf8(event) else {
+            return false;
+        };
+        if !text.contains("usage") {
+            return false;
+        }
+        let data: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(str::trim_start)
+            .collect::<Vec<_>>()
+            .join("\n");
+        serde_json::from_str::<Value>(&data).is_ok_and(|v| {
+            v.get("choices").and_then(Value::as_array).is_some_and(Vec::is_empty)
+                && v.get("usage").is_some_and(Value::is_object)
+        })
+    }
+
+    /// What of `chunk` goes to the client now.
+    fn push(&mut self, chunk: Bytes) -> Bytes {
+        let ends_whole = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
+        if self.pending.is_empty() && ends_whole && !chunk.windows(7).any(|w| w == b"\"usage\"") {
+            return chunk;
+        }
+        self.pending.extend_from_slice(&chunk);
+        // The end of the last complete event.
+        let cut = find_last_boundary(&self.pending);
+        let Some(cut) = cut else { return Bytes::new() };
+        let rest = self.pending.split_off(cut);
+        let whole = std::mem::replace(&mut self.pending, rest);
+        let mut out = Vec::with_capacity(whole.len());
+        let mut start = 0;
+        while start < whole.len() {
+            let end = next_boundary(&whole[start..]).map_or(whole.len(), |e| start + e);
+            let event = &whole[start..end];
+            if !Self::is_usage_only(event) {
+                out.extend_from_slice(event);
+            }
+            start = end;
+        }
+        Bytes::from(out)
+    }
+
+    /// What is left when the upstream ends.
+    fn finish(&mut self) -> Bytes {
+        Bytes::from(std::mem::take(&mut self.pending))
+    }
+}
+
+/// The end (exclusive) of the first event in `b`: just past its blank line.
+fn next_boundary(b: &[u8]) -> Option<usize> {
+    let lf = b.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = b.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(c)) => Some(a.min(c)),
+        (a, c) => a.or(c),
+    }
+}
+
+/// The end (exclusive) of the last complete event in `b`.
+fn find_last_boundary(b: &[u8]) -> Option<usize> {
+    let lf = b.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = b.windows(4).rposition(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    lf.max(crlf)
 }
 
 impl Primed {
@@ -169,6 +274,20 @@ impl Primed {
             permit,
             idle_timeout,
             content_type,
+            strip: None,
+        }
+    }
+
+    /// M2: the usage chunk the gateway asked for is not the client's.
+    pub fn strip_usage(&mut self) {
+        self.strip = Some(UsageStrip::default());
+    }
+
+    /// `chunk` as the client gets it.
+    fn for_client(&mut self, chunk: Bytes) -> Bytes {
+        match &mut self.strip {
+            Some(s) => s.push(chunk),
+            None => chunk,
         }
     }
 
@@ -189,6 +308,9 @@ impl Primed {
                 Ok(None) => {
                     // Ended without output: a complete (if empty) answer, passed on as is.
                     self.inner_done = true;
+                    if let Some(rest) = self.strip.as_mut().map(UsageStrip::finish).filter(|r| !r.is_empty()) {
+                        self.prefix.push_back(rest);
+                    }
                     return None;
                 }
                 Ok(Some(Err(e))) => {
@@ -200,7 +322,10 @@ impl Primed {
                 Ok(Some(Ok(chunk))) => {
                     held += chunk.len() as u64;
                     self.watch.observe(&chunk);
-                    self.prefix.push_back(chunk);
+                    let chunk = self.for_client(chunk);
+                    if !chunk.is_empty() {
+                        self.prefix.push_back(chunk);
+                    }
                     if self.watch.first_token_at.is_some() {
                         return None;
                     }
@@ -397,6 +522,13 @@ impl Stream for StreamBody {
         match active.primed.inner.as_mut().poll_next(cx) {
             Poll::Ready(Some(Ok(chunk))) => {
                 active.primed.watch.observe(&chunk);
+                let chunk = active.primed.for_client(chunk);
+                if chunk.is_empty() {
+                    // All of it held back or taken out: ask the upstream again.
+                    drop(guard);
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
                 active.life.captured(&chunk);
                 drop(guard);
                 let deadline = Instant::now() + self.idle_timeout;
@@ -412,6 +544,13 @@ impl Stream for StreamBody {
                 )
             }
             Poll::Ready(None) => {
+                let rest = active.primed.strip.as_mut().map(UsageStrip::finish).unwrap_or_default();
+                if !rest.is_empty() {
+                    active.primed.inner_done = true;
+                    active.life.captured(&rest);
+                    drop(guard);
+                    return self.handed_over(rest);
+                }
                 drop(guard);
                 self.end(StreamEnd::Complete);
                 Poll::Ready(None)

@@ -197,6 +197,9 @@ impl Caller for HttpCaller {
                 Duration::from_millis(up.stream_idle_timeout_ms),
                 content_type,
             );
+            if ctx.strip_usage {
+                primed.strip_usage();
+            }
             // H2: hold the stream's opening events until it shows output; a failure before
             // that is retried like any other, and the client never knows.
             if let Some(signal) = primed

@@ -46,6 +46,11 @@ fn ui_bindings_are_current() {
     PruneReport::export_all(&cfg).unwrap();
     BulkReconcile::export_all(&cfg).unwrap();
     BulkReconciled::export_all(&cfg).unwrap();
+    spillway_engine::money::CostView::export_all(&cfg).unwrap();
+    spillway_engine::money::MadeKey::export_all(&cfg).unwrap();
+    spillway_engine::money::NewKey::export_all(&cfg).unwrap();
+    spillway_engine::money::SpendLimitAction::export_all(&cfg).unwrap();
+    spillway_engine::money::TopUp::export_all(&cfg).unwrap();
     let fresh = files(tmp.path());
     let committed_dir: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ui/src/bindings");
     if std::env::var_os("UPDATE_BINDINGS").is_some() {

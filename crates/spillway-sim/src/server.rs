@@ -403,7 +403,17 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
             .pointer("/stream_options/include_usage")
             .and_then(Value::as_bool)
             .unwrap_or(false);
-    let prompt_tokens = (body.len() as u64).div_ceil(4).max(1);
+    // What the provider counts: OpenAI's tokenizer (o200k) is public, so the simulated
+    // OpenAI counts as OpenAI does; Anthropic's and Google's are not, and their stand-ins
+    // count a token per 4 bytes of the whole body, as a rough provider might.
+    let prompt_tokens = match format {
+        Format::OpenAi => {
+            spillway_wire::tokens::o200k_blocking();
+            spillway_wire::tokens::estimate_input_tokens(format, api, &body)
+        }
+        Format::Anthropic | Format::Gemini => (body.len() as u64).div_ceil(4),
+    }
+    .max(1);
 
     let mut builder = Response::builder().header(format.upstream_request_id_header(), responses::id("req_"));
     if let Some(r) = &behavior.ratelimit {

@@ -10,6 +10,10 @@ import type { Visibility } from "./Visibility";
  */
 export type AttemptRecord = { request_id: string, attempt_no: number, channel: string, upstream_request_id: string | null, http_status: number | null, error_class: ErrorClass, provider_error_type: string | null, retry_after_ms: number | null, message: string | null, started_at: UnixMs, first_byte_at: UnixMs | null, finished_at: UnixMs | null, input_tokens: number | null, output_tokens: number | null, 
 /**
+ * M3: what this attempt cost (a failed attempt that consumed tokens costs too).
+ */
+cost_usd: number | null, 
+/**
  * What the gateway did after this attempt (F2).
  */
 decision: Decision | null, 

@@ -3,4 +3,4 @@
 /**
  * Why a request ended on the gateway's side, before or around the upstream call.
  */
-export type GatewayClass = "client_auth" | "invalid_body" | "unsupported_media_type" | "payload_too_large" | "body_timeout" | "no_channel" | "capacity_busy" | "capacity_queue_full" | "key_limited" | "no_channel_in_rotation" | "breaker_open" | "channels_cooling_down" | "ledger_unavailable" | "client_disconnected" | "client_stalled" | "shutdown" | "interrupted" | "internal_error" | "idempotency_key_reused" | "idempotency_in_progress" | "idempotency_unknown" | "idempotency_completed";
+export type GatewayClass = "client_auth" | "invalid_body" | "unsupported_media_type" | "payload_too_large" | "body_timeout" | "no_channel" | "capacity_busy" | "capacity_queue_full" | "key_limited" | "no_channel_in_rotation" | "breaker_open" | "channels_cooling_down" | "ledger_unavailable" | "client_disconnected" | "client_stalled" | "shutdown" | "interrupted" | "internal_error" | "idempotency_key_reused" | "idempotency_in_progress" | "idempotency_unknown" | "idempotency_completed" | "insufficient_balance" | "spend_limit" | "daily_budget";

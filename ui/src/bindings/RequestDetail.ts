@@ -5,4 +5,9 @@ import type { RequestRecord } from "./RequestRecord";
 /**
  * A request with every attempt.
  */
-export type RequestDetail = { request: RequestRecord, attempts: Array<AttemptRecord>, };
+export type RequestDetail = { request: RequestRecord, attempts: Array<AttemptRecord>, 
+/**
+ * M1: how the request's cost is computed, at the catalog in force now (its version
+ * is `pricing_version`; a different one is named).
+ */
+cost_breakdown: string | null, };

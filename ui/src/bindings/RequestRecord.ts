@@ -8,7 +8,32 @@ import type { UnixMs } from "./UnixMs";
 /**
  * One logical request, with the I1 fields.
  */
-export type RequestRecord = { id: string, trace_id: string, client_request_id: string | null, upstream_request_id: string | null, key_name: string | null, owner: string | null, workflow: string | null, format: Format, endpoint: string, route: string | null, channel: string | null, requested_model: string | null, served_model: string | null, stream: boolean, state: RequestState, http_status: number | null, error_class: FailureClass | null, error_message: string | null, input_tokens: number | null, output_tokens: number | null, cached_input_tokens: number | null, reasoning_tokens: number | null, cost_usd: number | null, received_at: UnixMs, admitted_at: UnixMs | null, first_token_at: UnixMs | null, finished_at: UnixMs | null, queued_ms: number | null, attempts: number, body_sha256: string | null, partial_output_committed: boolean, 
+export type RequestRecord = { id: string, trace_id: string, client_request_id: string | null, upstream_request_id: string | null, key_name: string | null, owner: string | null, workflow: string | null, format: Format, endpoint: string, route: string | null, channel: string | null, requested_model: string | null, served_model: string | null, stream: boolean, state: RequestState, http_status: number | null, error_class: FailureClass | null, error_message: string | null, input_tokens: number | null, output_tokens: number | null, cached_input_tokens: number | null, reasoning_tokens: number | null, 
+/**
+ * Anthropic: prompt tokens written to the cache (priced above input).
+ */
+cache_write_tokens: number | null, 
+/**
+ * M1, M3: what the request cost, failed attempts included; None when unknown (an
+ * unpriced model, or no usage reported), never a made-up zero.
+ */
+cost_usd: number | null, 
+/**
+ * M3: the input tokens counted before the call.
+ */
+estimated_input_tokens: number | null, 
+/**
+ * M3: the cost expected before the call (input estimate plus output cap, priced).
+ */
+estimated_cost_usd: number | null, 
+/**
+ * The part of `cost_usd` spent on attempts that did not give the answer.
+ */
+failed_cost_usd: number | null, 
+/**
+ * The pricing catalog's version the costs were computed with.
+ */
+pricing_version: string | null, received_at: UnixMs, admitted_at: UnixMs | null, first_token_at: UnixMs | null, finished_at: UnixMs | null, queued_ms: number | null, attempts: number, body_sha256: string | null, partial_output_committed: boolean, 
 /**
  * While waiting to retry: the next attempt starts no earlier (F1, I5).
  */

@@ -1,0 +1,600 @@
+//! Money on the request path (B3–B5, M1, M3, G1's cost trigger): the gateway keys (from
+//! the config and made at run time), each owner's balance and day's spend, each key's
+//! spend and limit, each route's day and last hour, and the pricing catalog in force.
+//!
+//! The ledger is the truth and this is its running copy: at start-up every balance is
+//! read back as credits minus the requests' costs, and from then on a request's cost is
+//! taken here as it closes (its record carries the same cost to the ledger). Nothing on
+//! the request path waits for the ledger because of money.
+
+use crate::error::GatewayError;
+use crate::limits::KeyLimits;
+use crate::state::KeyRt;
+use chrono::TimeZone;
+use serde::Serialize;
+use spillway_ledger::{Ledger, StoredKey};
+use spillway_policy::{Config, Key, KeySecret, Pricing};
+use spillway_wire::UnixMs;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, RwLock};
+use ts_rs::TS;
+
+/// M3: the output an estimate assumes when the client sets no cap.
+pub const ASSUMED_OUTPUT_TOKENS: u64 = 1024;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// An owner's running figures.
+#[derive(Debug, Default)]
+struct OwnerFigures {
+    /// Held to a balance (B3): the config seeds one, or a credit is on record. An owner
+    /// without is only metered.
+    prepaid: bool,
+    /// Credits minus costs.
+    balance_usd: f64,
+    /// The day (in the budgets' time zone) `spent_today` is for.
+    day: i32,
+    spent_today: f64,
+}
+
+/// One owner: whose balance and budget the keys draw on.
+pub struct OwnerAccount {
+    pub name: String,
+    pub daily_budget_usd: Option<f64>,
+    figures: Mutex<OwnerFigures>,
+}
+
+/// A key's running spend and the limit in force.
+#[derive(Debug, Default)]
+pub struct KeySpendRt {
+    pub spent_usd: f64,
+    pub limit_usd: Option<f64>,
+}
+
+/// A route's spend: today's, and the last hour's by minute (G1).
+#[derive(Debug, Default)]
+struct RouteSpend {
+    day: i32,
+    spent_today: f64,
+    /// (minute since the epoch, USD) for the last 60 minutes, oldest first.
+    minutes: std::collections::VecDeque<(i64, f64)>,
+}
+
+impl RouteSpend {
+    fn last_hour(&mut self, minute: i64) -> f64 {
+        while self.minutes.front().is_some_and(|(m, _)| *m <= minute - 60) {
+            self.minutes.pop_front();
+        }
+        self.minutes.iter().map(|(_, v)| v).sum()
+    }
+
+    fn add(&mut self, minute: i64, usd: f64) {
+        match self.minutes.back_mut() {
+            Some((m, v)) if *m == minute => *v += usd,
+            _ => self.minutes.push_back((minute, usd)),
+        }
+    }
+}
+
+/// A key as the console lists it.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct KeyView {
+    pub name: String,
+    pub owner: String,
+    /// `config` or `console` (made at run time, revocable).
+    pub origin: String,
+    /// The secret's first characters, for made keys.
+    pub hint: Option<String>,
+    pub rpm: Option<u32>,
+    pub max_concurrency: Option<u32>,
+    pub spend_limit_usd: Option<f64>,
+    pub spent_usd: f64,
+    pub created_at: Option<UnixMs>,
+    pub created_by: Option<String>,
+    pub revoked_at: Option<UnixMs>,
+    pub revoked_by: Option<String>,
+}
+
+/// An owner as the console shows it.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct OwnerView {
+    pub name: String,
+    /// Credits minus costs; with `prepaid` false the owner is not held to it.
+    pub balance_usd: f64,
+    pub prepaid: bool,
+    pub daily_budget_usd: Option<f64>,
+    pub spent_today_usd: f64,
+}
+
+/// A route's budget as the console shows it.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct RouteBudgetView {
+    pub route: String,
+    pub daily_budget_usd: Option<f64>,
+    pub spent_today_usd: f64,
+    pub last_hour_usd: f64,
+}
+
+/// What a closed request's cost did to its route: G1's figures.
+pub struct RouteHour {
+    pub last_hour_usd: f64,
+    pub daily_budget_usd: f64,
+}
+
+pub struct Accounts {
+    /// Gateway keys by the SHA-256 of their secret (B5): the secret itself is never held.
+    keys: RwLock<HashMap<[u8; 32], Arc<KeyRt>>>,
+    owners: RwLock<HashMap<String, Arc<OwnerAccount>>>,
+    /// Made keys (revoked ones included), for the console.
+    made: RwLock<Vec<StoredKey>>,
+    routes: Mutex<HashMap<String, RouteSpend>>,
+    pricing: RwLock<Arc<Pricing>>,
+    tz: chrono_tz::Tz,
+    route_budgets: BTreeMap<String, f64>,
+}
+
+impl Accounts {
+    /// The config's keys and owners with fresh figures (no ledger read yet; see
+    /// [`Accounts::load`]).
+    pub fn new(config: &Config, pricing: Pricing) -> Accounts {
+        let owners: HashMap<String, Arc<OwnerAccount>> = config
+            .owners
+            .iter()
+            .map(|o| {
+                let acct = OwnerAccount {
+                    name: o.name.clone(),
+                    daily_budget_usd: o.daily_budget_usd,
+                    figures: Mutex::new(OwnerFigures {
+                        prepaid: o.balance_usd.is_some(),
+                        balance_usd: o.balance_usd.unwrap_or(0.0),
+                        ..Default::default()
+                    }),
+                };
+                (o.name.clone(), Arc::new(acct))
+            })
+            .collect();
+        let accounts = Accounts {
+            keys: RwLock::new(HashMap::new()),
+            owners: RwLock::new(owners),
+            made: RwLock::new(Vec::new()),
+            routes: Mutex::new(HashMap::new()),
+            pricing: RwLock::new(Arc::new(pricing)),
+            tz: config.budgets.time_zone,
+            route_budgets: config.budgets.routes.clone(),
+        };
+        for k in &config.keys {
+            accounts.insert_key(k.clone(), None);
+        }
+        accounts
+    }
+
+    fn owner(&self, name: &str) -> Arc<OwnerAccount> {
+        if let Some(o) = self.owners.read().unwrap_or_else(|p| p.into_inner()).get(name) {
+            return o.clone();
+        }
+        let mut w = self.owners.write().unwrap_or_else(|p| p.into_inner());
+        w.entry(name.to_owned())
+            .or_insert_with(|| {
+                Arc::new(OwnerAccount {
+                    name: name.to_owned(),
+                    daily_budget_usd: None,
+                    figures: Mutex::new(OwnerFigures::default()),
+                })
+            })
+            .clone()
+    }
+
+    fn insert_key(&self, key: Key, made: Option<&StoredKey>) -> Arc<KeyRt> {
+        let rt = Arc::new(KeyRt {
+            limits: KeyLimits::new(&key),
+            owner: self.owner(&key.owner),
+            spend: Mutex::new(KeySpendRt {
+                spent_usd: 0.0,
+                limit_usd: key.spend_limit_usd,
+            }),
+            made: made.is_some(),
+            key,
+        });
+        self.keys
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(rt.key.secret.0, rt.clone());
+        rt
+    }
+
+    /// The key whose secret hashes to `digest`.
+    pub fn key(&self, digest: &[u8; 32]) -> Option<Arc<KeyRt>> {
+        self.keys.read().unwrap_or_else(|p| p.into_inner()).get(digest).cloned()
+    }
+
+    /// Every live key.
+    pub fn all_keys(&self) -> Vec<Arc<KeyRt>> {
+        self.keys
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Every key, by name.
+    fn key_by_name(&self, name: &str) -> Option<Arc<KeyRt>> {
+        self.keys
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .find(|k| k.key.name == name)
+            .cloned()
+    }
+
+    pub fn pricing(&self) -> Arc<Pricing> {
+        self.pricing.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn set_pricing(&self, p: Pricing) {
+        *self.pricing.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(p);
+    }
+
+    pub fn time_zone(&self) -> chrono_tz::Tz {
+        self.tz
+    }
+
+    /// The day `at` falls on in the budgets' time zone (days since 0001-01-01).
+    fn day(&self, at: UnixMs) -> i32 {
+        use chrono::Datelike;
+        chrono::DateTime::from_timestamp_millis(at.0)
+            .map(|t| t.with_timezone(&self.tz).date_naive().num_days_from_ce())
+            .unwrap_or(0)
+    }
+
+    /// When the day of `at` began, in the budgets' time zone.
+    pub fn day_start(&self, at: UnixMs) -> UnixMs {
+        let Some(t) = chrono::DateTime::from_timestamp_millis(at.0) else {
+            return at;
+        };
+        let date = t.with_timezone(&self.tz).date_naive();
+        let midnight = date.and_hms_opt(0, 0, 0).unwrap_or_default();
+        match self.tz.from_local_datetime(&midnight).earliest() {
+            Some(s) => UnixMs(s.timestamp_millis()),
+            None => at,
+        }
+    }
+
+    /// When the next day begins, as a person reads it.
+    fn next_day_label(&self, at: UnixMs) -> String {
+        let start = self.day_start(at);
+        let next = self.day_start(UnixMs(start.0 + 26 * 3_600_000));
+        chrono::DateTime::from_timestamp_millis(next.0)
+            .map(|t| t.with_timezone(&self.tz).format("%Y-%m-%d %H:%M %Z").to_string())
+            .unwrap_or_default()
+    }
+
+    /// B3: whether `key` may send a request now: the owner's balance above zero, the
+    /// key under its spend limit, the owner under its daily budget.
+    pub fn admit(&self, key: &KeyRt, now: UnixMs) -> Result<(), GatewayError> {
+        let today = self.day(now);
+        {
+            let mut o = lock(&key.owner.figures);
+            if o.prepaid && o.balance_usd <= 0.0 {
+                return Err(GatewayError::InsufficientBalance);
+            }
+            if o.day != today {
+                o.day = today;
+                o.spent_today = 0.0;
+            }
+            if let Some(b) = key.owner.daily_budget_usd
+                && o.spent_today >= b
+            {
+                return Err(GatewayError::DailyBudget {
+                    budget: b,
+                    resets: self.next_day_label(now),
+                });
+            }
+        }
+        let s = lock(&key.spend);
+        if s.limit_usd.is_some_and(|l| s.spent_usd >= l) {
+            return Err(GatewayError::SpendLimit);
+        }
+        Ok(())
+    }
+
+    /// B4: a closed request's cost, taken from its owner's balance and day, its key's
+    /// spend and its route's day and hour. `hour_usd` is what counts towards G1's last
+    /// hour (the cost, or the estimate when the cost is unknown). Returns the route's
+    /// figures when it has a budget.
+    pub fn settle(
+        &self,
+        key: &KeyRt,
+        route: Option<&str>,
+        cost_usd: Option<f64>,
+        hour_usd: Option<f64>,
+        now: UnixMs,
+    ) -> Option<RouteHour> {
+        let today = self.day(now);
+        if let Some(c) = cost_usd.filter(|c| *c != 0.0) {
+            {
+                let mut o = lock(&key.owner.figures);
+                o.balance_usd -= c;
+                if o.day != today {
+                    o.day = today;
+                    o.spent_today = 0.0;
+                }
+                o.spent_today += c;
+            }
+            lock(&key.spend).spent_usd += c;
+        }
+        let route = route?;
+        let add = hour_usd.or(cost_usd).unwrap_or(0.0);
+        let budget = self.route_budgets.get(route).copied();
+        if add == 0.0 && budget.is_none() {
+            return None;
+        }
+        let minute = now.0.div_euclid(60_000);
+        let mut routes = lock(&self.routes);
+        let r = routes.entry(route.to_owned()).or_default();
+        if r.day != today {
+            r.day = today;
+            r.spent_today = 0.0;
+        }
+        r.spent_today += cost_usd.unwrap_or(0.0);
+        r.add(minute, add);
+        let last_hour_usd = r.last_hour(minute);
+        budget.map(|daily_budget_usd| RouteHour {
+            last_hour_usd,
+            daily_budget_usd,
+        })
+    }
+
+    /// Reads every balance, spend and made key back from the ledger, seeding the owners
+    /// the ledger has not met from the config (B4). Returns the owners seeded now.
+    pub async fn load(&self, config: &Config, ledger: &Ledger, now: UnixMs) -> spillway_ledger::Result<Vec<String>> {
+        let seeds: Vec<(String, f64)> = config
+            .owners
+            .iter()
+            .filter_map(|o| Some((o.name.clone(), o.balance_usd?)))
+            .collect();
+        let seeded = ledger.store().seed_owners(&seeds, now).await?;
+        let a = ledger.store().accounts().await?;
+        for k in a.keys.iter().filter(|k| k.revoked_at.is_none()) {
+            let Ok(bytes) = hex::decode(&k.secret_sha256) else {
+                continue;
+            };
+            let Ok(secret) = <[u8; 32]>::try_from(bytes.as_slice()) else {
+                continue;
+            };
+            if self.key_by_name(&k.name).is_some() {
+                tracing::warn!(key = %k.name, "a key made in the console has the name of a config key; the config's wins");
+                continue;
+            }
+            self.insert_key(made_key(k, KeySecret(secret)), Some(k));
+        }
+        *self.made.write().unwrap_or_else(|p| p.into_inner()) = a.keys.clone();
+        let prepaid: std::collections::HashSet<String> = a.credits.iter().map(|(o, _)| o.clone()).collect();
+        let mut balance: HashMap<String, f64> = a.credits.into_iter().collect();
+        let mut key_spent: HashMap<String, f64> = HashMap::new();
+        for row in &a.spend {
+            if let Some(o) = &row.owner {
+                *balance.entry(o.clone()).or_default() -= row.cost_usd;
+            }
+            if let Some(k) = &row.key_name {
+                *key_spent.entry(k.clone()).or_default() += row.cost_usd;
+            }
+        }
+        for ks in &a.key_spend {
+            *key_spent.entry(ks.key_name.clone()).or_default() += ks.folded_usd;
+        }
+        let today = self.day(now);
+        let mut owner_today: HashMap<String, f64> = HashMap::new();
+        let mut route_today: HashMap<String, f64> = HashMap::new();
+        for row in ledger.store().spend_since(self.day_start(now)).await? {
+            if let Some(o) = &row.owner {
+                *owner_today.entry(o.clone()).or_default() += row.cost_usd;
+            }
+            if let Some(r) = &row.route {
+                *route_today.entry(r.clone()).or_default() += row.cost_usd;
+            }
+        }
+        let hour = ledger.store().spend_since(UnixMs(now.0 - 3_600_000)).await?;
+        for (name, b) in &balance {
+            let o = self.owner(name);
+            let mut f = lock(&o.figures);
+            f.prepaid = prepaid.contains(name);
+            f.balance_usd = *b;
+            f.day = today;
+            f.spent_today = owner_today.get(name).copied().unwrap_or(0.0);
+        }
+        let limits: HashMap<&str, Option<f64>> = a
+            .key_spend
+            .iter()
+            .filter(|k| k.limit_set)
+            .map(|k| (k.key_name.as_str(), k.spend_limit_usd))
+            .collect();
+        for k in self.keys.read().unwrap_or_else(|p| p.into_inner()).values() {
+            let mut s = lock(&k.spend);
+            s.spent_usd = key_spent.get(&k.key.name).copied().unwrap_or(0.0);
+            if let Some(l) = limits.get(k.key.name.as_str()) {
+                s.limit_usd = *l;
+            }
+        }
+        let minute = now.0.div_euclid(60_000);
+        let mut routes = lock(&self.routes);
+        for (route, usd) in route_today {
+            let r = routes.entry(route).or_default();
+            r.day = today;
+            r.spent_today = usd;
+        }
+        // The last hour is read back as one lump in the current minute: it leaves the
+        // window an hour from now, a little late, never early.
+        for row in hour {
+            if let Some(route) = row.route {
+                routes.entry(route).or_default().add(minute, row.cost_usd);
+            }
+        }
+        Ok(seeded)
+    }
+
+    /// B5: a made key goes live at once.
+    pub fn add_made_key(&self, k: &StoredKey, secret: KeySecret, spend_limit_usd: Option<f64>) {
+        let mut key = made_key(k, secret);
+        key.spend_limit_usd = spend_limit_usd;
+        self.insert_key(key, Some(k));
+        self.made.write().unwrap_or_else(|p| p.into_inner()).push(k.clone());
+    }
+
+    /// B5: a revoked key is refused from now on.
+    pub fn revoke(&self, name: &str, at: UnixMs, by: &str) {
+        self.keys
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, k| !(k.made && k.key.name == name));
+        for k in self.made.write().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+            if k.name == name && k.revoked_at.is_none() {
+                k.revoked_at = Some(at);
+                k.revoked_by = Some(by.to_owned());
+            }
+        }
+    }
+
+    /// Whether `name` is a key (live) or a made key (revoked too).
+    pub fn key_exists(&self, name: &str) -> bool {
+        self.key_by_name(name).is_some()
+            || self
+                .made
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .any(|k| k.name == name)
+    }
+
+    /// Whether a made key (not revoked) is called `name`.
+    pub fn is_live_made_key(&self, name: &str) -> bool {
+        self.key_by_name(name).is_some_and(|k| k.made)
+    }
+
+    pub fn set_spend_limit(&self, name: &str, limit: Option<f64>) -> bool {
+        match self.key_by_name(name) {
+            Some(k) => {
+                lock(&k.spend).limit_usd = limit;
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn owner_exists(&self, name: &str) -> bool {
+        self.owners.read().unwrap_or_else(|p| p.into_inner()).contains_key(name)
+    }
+
+    pub fn credit(&self, owner: &str, usd: f64) {
+        let o = self.owner(owner);
+        let mut f = lock(&o.figures);
+        f.prepaid = true;
+        f.balance_usd += usd;
+    }
+
+    pub fn owners(&self, now: UnixMs) -> Vec<OwnerView> {
+        let today = self.day(now);
+        let mut v: Vec<OwnerView> = self
+            .owners
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|o| {
+                let f = lock(&o.figures);
+                OwnerView {
+                    name: o.name.clone(),
+                    balance_usd: f.balance_usd,
+                    prepaid: f.prepaid,
+                    daily_budget_usd: o.daily_budget_usd,
+                    spent_today_usd: if f.day == today { f.spent_today } else { 0.0 },
+                }
+            })
+            .collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    pub fn keys(&self) -> Vec<KeyView> {
+        let live: Vec<Arc<KeyRt>> = self
+            .keys
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        let made = self.made.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut v: Vec<KeyView> = live
+            .iter()
+            .map(|k| {
+                let s = lock(&k.spend);
+                let m = made.iter().find(|m| k.made && m.name == k.key.name);
+                KeyView {
+                    name: k.key.name.clone(),
+                    owner: k.key.owner.clone(),
+                    origin: if k.made { "console" } else { "config" }.into(),
+                    hint: m.map(|m| m.hint.clone()),
+                    rpm: k.key.rpm,
+                    max_concurrency: k.key.max_concurrency,
+                    spend_limit_usd: s.limit_usd,
+                    spent_usd: s.spent_usd,
+                    created_at: m.map(|m| m.created_at),
+                    created_by: m.map(|m| m.created_by.clone()),
+                    revoked_at: None,
+                    revoked_by: None,
+                }
+            })
+            .collect();
+        v.extend(made.iter().filter(|m| m.revoked_at.is_some()).map(|m| KeyView {
+            name: m.name.clone(),
+            owner: m.owner.clone(),
+            origin: "console".into(),
+            hint: Some(m.hint.clone()),
+            rpm: m.rpm,
+            max_concurrency: m.max_concurrency,
+            spend_limit_usd: None,
+            spent_usd: 0.0,
+            created_at: Some(m.created_at),
+            created_by: Some(m.created_by.clone()),
+            revoked_at: m.revoked_at,
+            revoked_by: m.revoked_by.clone(),
+        }));
+        v.sort_by(|a, b| (a.revoked_at.is_some(), &a.name).cmp(&(b.revoked_at.is_some(), &b.name)));
+        v
+    }
+
+    pub fn routes(&self, now: UnixMs) -> Vec<RouteBudgetView> {
+        let today = self.day(now);
+        let minute = now.0.div_euclid(60_000);
+        let mut routes = lock(&self.routes);
+        let mut names: Vec<String> = routes.keys().cloned().collect();
+        names.extend(self.route_budgets.keys().cloned());
+        names.sort();
+        names.dedup();
+        names
+            .into_iter()
+            .map(|name| {
+                let r = routes.entry(name.clone()).or_default();
+                RouteBudgetView {
+                    daily_budget_usd: self.route_budgets.get(&name).copied(),
+                    spent_today_usd: if r.day == today { r.spent_today } else { 0.0 },
+                    last_hour_usd: r.last_hour(minute),
+                    route: name,
+                }
+            })
+            .collect()
+    }
+}
+
+fn made_key(k: &StoredKey, secret: KeySecret) -> Key {
+    Key {
+        name: k.name.clone(),
+        owner: k.owner.clone(),
+        secret,
+        rpm: k.rpm,
+        rpm_counts_token_counting: false,
+        max_concurrency: k.max_concurrency,
+        spend_limit_usd: None,
+    }
+}
