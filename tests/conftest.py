@@ -163,7 +163,7 @@ class Gateway:
 
 
 def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml="", args=(), group=1, max_concurrency=8, key_yaml="",
-                  env=None):
+                  env=None, owner_yaml="    balance_usd: 100", extra_models=()):
     """A gateway with `group` channels per format (named `{prefix}-{fmt}`, `-2`, `-3`, …).
     Earlier channels of a group get a higher priority, so they are always tried first."""
     prefix = "t" + secrets.token_hex(4)
@@ -174,10 +174,10 @@ def start_gateway(tmp_path, sim, extra_yaml="", channel_yaml="", args=(), group=
     for fmt, names in groups.items():
         for i, name in enumerate(names):
             lines += [f"  - name: {name}", f"    format: {fmt}", f"    base_url: {sim.url}/{name}",
-                      "    api_key_env: UPSTREAM_KEY", f"    models: [{', '.join([MODELS[fmt]] + ([EMBED_MODELS[fmt]] if fmt in EMBED_MODELS else []))}]",
+                      "    api_key_env: UPSTREAM_KEY", f"    models: [{', '.join([MODELS[fmt]] + ([EMBED_MODELS[fmt]] if fmt in EMBED_MODELS else []) + list(extra_models))}]",
                       f"    max_concurrency: {max_concurrency}", f"    priority: {len(names) - i}", channel_yaml]
     lines += ["keys:", "  - name: app", "    owner: team-a", "    secret_env: SPILLWAY_TEST_KEY", key_yaml,
-              "owners:", "  - name: team-a", "    balance_usd: 100"]
+              "owners:", "  - name: team-a", owner_yaml]
     cfg = tmp_path / "gateway.yaml"
     cfg.write_text("\n".join(l for l in lines if l) + "\n")
     proc = subprocess.Popen([str(BIN), "serve", "--config", str(cfg), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -380,3 +380,66 @@ test('a crash leaves an unknown outcome; an owner reconciles it in the inbox', a
     g.proc.kill('SIGTERM')
   }
 })
+
+test('the cost view shows real spend; an operator tops up a balance and makes a key shown once', async () => {
+  // spec: M1, M3, B4, B5
+  const p = await page()
+  await p.goto(`${url}/costs#token=${adminToken}`)
+  // Demo traffic is priced from the built-in catalog: real figures, not "unknown".
+  const spend = p.getByTestId('tile-spend')
+  await until('priced demo traffic', async () => {
+    const t = await spend.textContent()
+    return t && t !== '$0.00' && t !== 'unknown' ? t : null
+  }, 30_000)
+  await p.getByTestId('owners').waitFor()
+  await p.waitForTimeout(1000)
+  await p.screenshot({ path: join(SHOTS, 'costs-browser.png'), fullPage: true })
+  await accessible(p, 'the cost view')
+
+  // A top-up asks who and why, says what it does, and the balance moves by its amount.
+  const before = await (await fetch(`${url}/admin/v1/costs?hours=1`, { headers: { Authorization: `Bearer ${adminToken}` } })).json()
+  const demoBefore = before.owners.find((o) => o.name === 'demo').balance_usd
+  await p.getByTestId('top-up-demo').click()
+  const submit = p.getByTestId('top-up-submit')
+  await p.getByTestId('top-up-amount').fill('25')
+  assert.ok(await submit.isDisabled(), 'no top-up without a name and a reason')
+  await p.getByTestId('top-up-actor').fill('e2e-operator')
+  await p.getByTestId('top-up-reason').fill('invoice 7 paid')
+  await submit.click()
+  await p.getByTestId('top-up-result').waitFor()
+  const afterView = await (await fetch(`${url}/admin/v1/costs?hours=1`, { headers: { Authorization: `Bearer ${adminToken}` } })).json()
+  const demoAfter = afterView.owners.find((o) => o.name === 'demo').balance_usd
+  // Demo traffic keeps spending meanwhile: the balance rose by the top-up less that.
+  assert.ok(demoAfter > demoBefore + 24 && demoAfter <= demoBefore + 25, `${demoBefore} -> ${demoAfter}`)
+  const audit = await (await fetch(`${url}/admin/v1/audit?kind=owner&subject=demo`, { headers: { Authorization: `Bearer ${adminToken}` } })).json()
+  assert.equal(audit[0].action, 'top_up')
+  assert.equal(audit[0].actor, 'e2e-operator')
+
+  // A key made in the console: its secret shown once, usable at once, gone when hidden.
+  await p.goto(`${url}/keys`)
+  await p.getByTestId('new-key-name').fill('e2e-batch')
+  await until('owners to load', async () => (await p.getByTestId('new-key-owner').isEnabled()) || null)
+  await p.getByTestId('new-key-owner').selectOption('demo')
+  await p.getByTestId('new-key-limit').fill('1')
+  await p.getByTestId('new-key-actor').fill('e2e-operator')
+  await p.getByTestId('new-key-reason').fill('nightly evaluation job')
+  await p.getByTestId('new-key-submit').click()
+  const secret = (await p.getByTestId('new-key-secret').textContent()).trim()
+  assert.match(secret, /^sk-sw-[0-9a-f]{40}$/)
+  await p.screenshot({ path: join(SHOTS, 'keys-browser.png'), fullPage: true })
+  await accessible(p, 'the keys view')
+  const r = await fetch(`${url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { Authorization: `Bearer ${secret}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ model: 'gpt-4o-mini', messages: [{ role: 'user', content: 'hi' }] }),
+  })
+  assert.equal(r.status, 200)
+  await p.getByTestId('new-key-dismiss').click()
+  assert.equal(await p.getByTestId('new-key-secret').count(), 0)
+  assert.ok(!(await p.content()).includes(secret), 'the secret is not on the page any more')
+  const storage = await p.evaluate(() => JSON.stringify({ ...localStorage }) + JSON.stringify({ ...sessionStorage }))
+  assert.ok(!storage.includes(secret), 'the secret is never kept in the browser')
+  await p.getByTestId('key-e2e-batch').waitFor()
+  assert.ok(!(await p.getByTestId('keys').textContent()).includes(secret))
+  await p.context().close()
+})

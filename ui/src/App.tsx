@@ -2,6 +2,8 @@ import { useEffect, useState } from 'react'
 import type { Connection } from './api'
 import { BreakersView } from './Breakers'
 import { ConnectView } from './Connect'
+import { CostsView } from './Costs'
+import { KeysView } from './Keys'
 import { LedgerView } from './Ledger'
 import { OverviewView } from './Overview'
 import { UnknownsView } from './Unknowns'
@@ -36,6 +38,8 @@ export function App() {
       if (e.key === '2') navigate({ view: 'breakers', route: null })
       if (e.key === '3') navigate({ view: 'ledger', id: null })
       if (e.key === '4') navigate({ view: 'unknowns', id: null })
+      if (e.key === '5') navigate({ view: 'costs' })
+      if (e.key === '6') navigate({ view: 'keys' })
     }
     window.addEventListener('keydown', onKey)
     return () => window.removeEventListener('keydown', onKey)
@@ -63,6 +67,8 @@ export function App() {
           <a {...linkProps({ view: 'breakers', route: null })} aria-current={route.view === 'breakers' ? 'page' : undefined} title="Breakers (2)">Breakers</a>
           <a {...linkProps({ view: 'ledger', id: null })} aria-current={route.view === 'ledger' ? 'page' : undefined} title="Ledger (3)">Ledger</a>
           <a {...linkProps({ view: 'unknowns', id: null })} aria-current={route.view === 'unknowns' ? 'page' : undefined} title="Unknown outcomes (4)">Unknowns</a>
+          <a {...linkProps({ view: 'costs' })} aria-current={route.view === 'costs' ? 'page' : undefined} title="Costs, budgets and balances (5)">Costs</a>
+          <a {...linkProps({ view: 'keys' })} aria-current={route.view === 'keys' ? 'page' : undefined} title="Keys (6)">Keys</a>
         </nav>
         <span className="muted gateway">{conn.url}</span>
         <button className="link" onClick={() => { sessionStorage.removeItem(KEY); setConn(null) }}>Disconnect</button>
@@ -72,6 +78,8 @@ export function App() {
         {route.view === 'breakers' && <BreakersView conn={conn} selected={route.route} />}
         {route.view === 'ledger' && <LedgerView conn={conn} selected={route.id} />}
         {route.view === 'unknowns' && <UnknownsView conn={conn} selected={route.id} />}
+        {route.view === 'costs' && <CostsView conn={conn} />}
+        {route.view === 'keys' && <KeysView conn={conn} />}
       </main>
     </>
   )

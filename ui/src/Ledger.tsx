@@ -5,7 +5,7 @@ import type { RequestState } from './bindings/RequestState'
 import type { Search } from './bindings/Search'
 import { navigate } from './router'
 import type { Api } from './bindings/Api'
-import { APIS, apiLabel, count, decision, failureClass, ms, since, statePill, time } from './format'
+import { APIS, apiLabel, count, decision, failureClass, money, ms, since, statePill, time } from './format'
 
 const STATES: RequestState[] = ['received', 'calling_api', 'api_completed', 'side_effect_pending', 'done', 'failed', 'unknown']
 
@@ -126,7 +126,11 @@ function Detail({ conn, id, onClose }: { conn: Connection; id: string; onClose: 
   const q = useQuery({ queryKey: ['request', conn.url, id], queryFn: () => getRequest(conn, id) })
   if (q.isPending) return <aside className="detail"><p className="muted">Loading {id}…</p></aside>
   if (q.error) return <aside className="detail"><p role="alert" className="error">{(q.error as Error).message}</p></aside>
-  const { request: r, attempts } = q.data
+  const { request: r, attempts, cost_breakdown } = q.data
+  const cached = [
+    r.cached_input_tokens ? `${r.cached_input_tokens} cached` : null,
+    r.cache_write_tokens ? `${r.cache_write_tokens} written to the cache` : null,
+  ].filter(Boolean).join(', ')
   const rows: [string, string][] = [
     ['Request id', r.id], ['Trace id', r.trace_id], ['Client request id', r.client_request_id ?? '—'],
     ['Provider request id', r.upstream_request_id ?? '—'], ['Key / owner', `${r.key_name ?? '—'} / ${r.owner ?? '—'}`],
@@ -135,8 +139,14 @@ function Detail({ conn, id, onClose }: { conn: Connection; id: string; onClose: 
     ['Model', r.requested_model === r.served_model || !r.served_model ? (r.requested_model ?? '—') : `${r.requested_model} → served by ${r.served_model}`],
     ['State', r.state + (r.partial_output_committed ? ' (partial output committed)' : '')],
     ['Status', r.http_status ? String(r.http_status) : '—'], ['Error', r.error_class ? `${failureClass(r.error_class)}: ${r.error_message ?? ''}` : '—'],
-    ['Tokens in / out', `${r.input_tokens ?? '—'} / ${r.output_tokens ?? '—'}${r.cached_input_tokens ? ` (${r.cached_input_tokens} cached)` : ''}`],
-    ['Cost', r.cost_usd === null ? 'unknown' : `$${r.cost_usd.toFixed(4)}`],
+    ['Tokens in / out', `${r.input_tokens ?? '—'} / ${r.output_tokens ?? '—'}${cached ? ` (${cached})` : ''}`],
+    ['Cost', r.cost_usd === null ? 'unknown (an unpriced model, or no usage reported): never counted as zero' : `$${r.cost_usd.toFixed(4)}`],
+    ['Of which failed attempts', r.failed_cost_usd === null ? '—' : money(r.failed_cost_usd)],
+    ['Cost breakdown', cost_breakdown ?? '—'],
+    ['Estimate before the call', r.estimated_cost_usd === null
+      ? '—'
+      : `${money(r.estimated_cost_usd)} for ${r.estimated_input_tokens === null ? 'unknown' : count(r.estimated_input_tokens)} input tokens counted before the call (output at its cap)`],
+    ['Pricing version', r.pricing_version ?? '—'],
     ['Received', time(r.received_at)], ['Queued', r.queued_ms === null ? 'no wait' : ms(r.queued_ms)],
     ...(r.next_ready_at ? [['Next attempt at', time(r.next_ready_at)] as [string, string]] : []),
     ['First token', since(r.received_at, r.first_token_at)], ['Finished', since(r.received_at, r.finished_at)],
@@ -151,7 +161,7 @@ function Detail({ conn, id, onClose }: { conn: Connection; id: string; onClose: 
         <h2>{r.attempts > 1 ? (r.state === 'done' ? `Succeeded on attempt ${r.attempts}` : `Failed after ${r.attempts} attempts`) : 'Request'}</h2>
         <button onClick={onClose} aria-label="Close detail">✕</button>
       </header>
-      <dl>{rows.map(([k, v]) => <div key={k}><dt>{k}</dt><dd className={k.endsWith('id') ? 'mono' : ''}>{v}</dd></div>)}</dl>
+      <dl>{rows.map(([k, v]) => <div key={k}><dt>{k}</dt><dd className={k.endsWith('id') || k === 'Pricing version' ? 'mono' : k === 'Cost breakdown' ? 'prose' : ''}>{v}</dd></div>)}</dl>
       <h3>Attempts</h3>
       {attempts.length === 0 ? <p className="muted">None: the gateway answered without calling a provider.</p> : (
         <ol className="attempts">
@@ -159,6 +169,7 @@ function Detail({ conn, id, onClose }: { conn: Connection; id: string; onClose: 
             <li key={a.attempt_no}>
               <strong>#{a.attempt_no}</strong> on <code>{a.channel}</code>: {failureClass(a.error_class)}
               {a.http_status ? ` (HTTP ${a.http_status})` : ''}{a.provider_error_type ? `, ${a.provider_error_type}` : ''}
+              <span data-testid="attempt-cost">, cost {a.cost_usd === null ? 'unknown' : money(a.cost_usd)}</span>
               {a.retry_after_ms !== null ? `, wait hint ${ms(a.retry_after_ms)}` : ''}
               {a.visibility === 'after_partial_output' ? ', after output reached the client' : ''}
               {a.decision && <div data-testid="decision">→ {decision(a.decision, a.decision_reason, a.delay_ms)}</div>}

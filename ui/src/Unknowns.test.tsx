@@ -15,7 +15,8 @@ const request: RequestRecord = {
   endpoint: '/v1/chat/completions', route: 'openai/gpt-4o-mini', channel: 'openai-a', requested_model: 'gpt-4o-mini',
   served_model: 'gpt-4o-mini', stream: false, state: 'unknown', http_status: null, error_class: 'interrupted',
   error_message: 'the gateway stopped while this request was calling the provider', input_tokens: null,
-  output_tokens: null, cached_input_tokens: null, reasoning_tokens: null, cost_usd: null, received_at: now - 3 * 3600_000,
+  output_tokens: null, cached_input_tokens: null, reasoning_tokens: null, cache_write_tokens: null, cost_usd: null,
+  estimated_input_tokens: 812, estimated_cost_usd: 0.0021, failed_cost_usd: null, pricing_version: null, received_at: now - 3 * 3600_000,
   admitted_at: now - 3 * 3600_000 + 5, first_token_at: null, finished_at: null, queued_ms: null, attempts: 2,
   body_sha256: 'ab', partial_output_committed: false, next_ready_at: null, idempotency_key: 'invoice-42', replay_of: null, response_id: null,
   resolution: null,
@@ -25,9 +26,10 @@ const items: RequestDetail[] = [{
   attempts: [{
     request_id: request.id, attempt_no: 1, channel: 'openai-b', upstream_request_id: 'req_up_1', http_status: 503,
     error_class: 'overload', provider_error_type: null, retry_after_ms: null, message: 'HTTP 503', started_at: now - 3 * 3600_000,
-    first_byte_at: null, finished_at: now - 3 * 3600_000 + 2, input_tokens: null, output_tokens: null, decision: 'failover',
+    first_byte_at: null, finished_at: now - 3 * 3600_000 + 2, input_tokens: null, output_tokens: null, cost_usd: null, decision: 'failover',
     decision_reason: null, delay_ms: null, ready_at: null, visibility: 'before_first_token',
   }],
+  cost_breakdown: null,
 }]
 
 const reconcile = vi.fn()

@@ -7,7 +7,7 @@ import { useState } from 'react'
 import { getRequest, getUnknowns, reconcile, reconcileBulk, type Connection } from './api'
 import type { RequestDetail } from './bindings/RequestDetail'
 import type { Reconciliation } from './bindings/Reconciliation'
-import { age, decision, failureClass, time } from './format'
+import { age, decision, failureClass, money, time } from './format'
 import { linkProps, navigate } from './router'
 import { useOperatorAction } from './actor'
 
@@ -140,13 +140,14 @@ function Evidence({ conn, item }: { conn: Connection; item: RequestDetail }) {
         <p className="muted small">None: the attempt that was in flight (on {r.channel ?? 'its channel'}, from {time(r.admitted_at)}) never ended, so it has no row of its own.</p>
       ) : (
         <table className="grid" data-testid="unknown-attempts">
-          <thead><tr><th>#</th><th>Channel</th><th>Started</th><th>Status</th><th>Class</th><th>Upstream id</th><th>Then</th><th>Message</th></tr></thead>
+          <thead><tr><th>#</th><th>Channel</th><th>Started</th><th>Status</th><th>Class</th><th>Upstream id</th><th>Then</th><th>Message</th><th className="num">Cost</th></tr></thead>
           <tbody>
             {item.attempts.map((a) => (
               <tr key={a.attempt_no}>
                 <td>{a.attempt_no}</td><td>{a.channel}</td><td>{time(a.started_at)}</td><td>{a.http_status ?? '—'}</td>
                 <td>{failureClass(a.error_class)}</td><td className="mono small">{a.upstream_request_id ?? '—'}</td>
                 <td>{decision(a.decision, a.decision_reason, a.delay_ms)}</td><td className="small">{a.message ?? ''}</td>
+                <td className="num">{money(a.cost_usd)}</td>
               </tr>
             ))}
           </tbody>

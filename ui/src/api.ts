@@ -18,6 +18,14 @@ import type { Reconcile } from './bindings/Reconcile'
 import type { BulkReconcile } from './bindings/BulkReconcile'
 import type { BulkReconciled } from './bindings/BulkReconciled'
 import type { RequestRecord } from './bindings/RequestRecord'
+import type { CostView } from './bindings/CostView'
+import type { PricingView } from './bindings/PricingView'
+import type { KeyView } from './bindings/KeyView'
+import type { NewKey } from './bindings/NewKey'
+import type { MadeKey } from './bindings/MadeKey'
+import type { SpendLimitAction } from './bindings/SpendLimitAction'
+import type { TopUp } from './bindings/TopUp'
+import type { OwnerView } from './bindings/OwnerView'
 
 export type Connection = { url: string; token: string }
 
@@ -104,6 +112,31 @@ export const getLedgerFigures = (c: Connection) => call<LedgerFigures>(c, '/admi
 
 /** I6: prunes expired response copies (and old finished requests when asked), audited. */
 export const pruneLedger = (c: Connection, a: PruneAction) => call<PruneReport>(c, '/admin/v1/ledger/prune', post(a))
+
+/** M1–M3, B3–B5: spend by bucket, owner, key, route and model over the last `hours`, with
+ * the owners' balances, the keys, the route budgets and the pricing catalog. */
+export const getCosts = (c: Connection, hours: number) => call<CostView>(c, `/admin/v1/costs?hours=${hours}`)
+
+/** M1: the pricing catalog in force. */
+export const getPricing = (c: Connection) => call<PricingView>(c, '/admin/v1/pricing')
+
+/** B5: every key, from the config and made here, revoked ones included. */
+export const getKeys = (c: Connection) => call<KeyView[]>(c, '/admin/v1/keys')
+
+/** B5: makes a key; its secret is in the answer this once. */
+export const createKey = (c: Connection, k: NewKey) => call<MadeKey>(c, '/admin/v1/keys', post(k))
+
+/** B5: revokes a key made here (config keys are removed from the config). */
+export const revokeKey = (c: Connection, name: string, a: OperatorAction) =>
+  call<KeyView>(c, `/admin/v1/keys/${encodeURIComponent(name)}/revoke`, post(a))
+
+/** B3: sets or lifts (null) a key's spend limit. */
+export const setSpendLimit = (c: Connection, name: string, a: SpendLimitAction) =>
+  call<KeyView>(c, `/admin/v1/keys/${encodeURIComponent(name)}/spend-limit`, post(a))
+
+/** B4: adds money to an owner's balance (a deficit is taken from it first). */
+export const topUp = (c: Connection, owner: string, t: TopUp) =>
+  call<OwnerView>(c, `/admin/v1/owners/${encodeURIComponent(owner)}/top-up`, post(t))
 
 export type LiveEvent =
   | { kind: 'overview'; data: Overview }

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest'
-import { count, decision, errorMix, failureClass, ms, pct, rate, rotationPill, usd } from './format'
+import { count, decision, errorMix, failureClass, money, ms, pct, rate, rotationPill, usd } from './format'
 
 describe('units', () => {
   it('formats latency with units', () => {
@@ -20,6 +20,18 @@ describe('units', () => {
     expect(usd(null)).toBe('unknown')
     expect(usd(0, 3)).toBe('$0.00 + 3 unpriced')
     expect(usd(12.345)).toBe('$12.35')
+  })
+  it('shows money with 4 decimals under a dollar and 2 above, deficits signed', () => {
+    expect(money(null)).toBe('unknown')
+    expect(money(0)).toBe('$0.00')
+    expect(money(0.12345)).toBe('$0.1235')
+    expect(money(0.5)).toBe('$0.5000')
+    expect(money(0.00001)).toBe('<$0.0001')
+    expect(money(1)).toBe('$1.00')
+    expect(money(12.345)).toBe('$12.35')
+    expect(money(1234.5)).toBe('$1,234.50')
+    expect(money(-2.5)).toBe('-$2.50')
+    expect(money(-0.25)).toBe('-$0.2500')
   })
   it('formats rates and counts', () => {
     expect(rate(0.25)).toBe('0.3 req/s')

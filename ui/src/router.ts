@@ -7,12 +7,16 @@ export type Route =
   | { view: 'breakers'; route: string | null }
   | { view: 'ledger'; id: string | null }
   | { view: 'unknowns'; id: string | null }
+  | { view: 'costs' }
+  | { view: 'keys' }
 
 export function parse(path: string): Route {
   const parts = path.split('/').filter(Boolean).map(decodeURIComponent)
   if (parts[0] === 'breakers') return { view: 'breakers', route: parts.length > 1 ? parts.slice(1).join('/') : null }
   if (parts[0] === 'ledger') return { view: 'ledger', id: parts[1] ?? null }
   if (parts[0] === 'unknowns') return { view: 'unknowns', id: parts[1] ?? null }
+  if (parts[0] === 'costs') return { view: 'costs' }
+  if (parts[0] === 'keys') return { view: 'keys' }
   return { view: 'overview' }
 }
 
@@ -27,6 +31,10 @@ export function href(r: Route): string {
       return r.id ? `/ledger/${encodeURIComponent(r.id)}` : '/ledger'
     case 'unknowns':
       return r.id ? `/unknowns/${encodeURIComponent(r.id)}` : '/unknowns'
+    case 'costs':
+      return '/costs'
+    case 'keys':
+      return '/keys'
   }
 }
 

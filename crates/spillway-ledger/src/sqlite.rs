@@ -1110,14 +1110,14 @@ impl LedgerBackend for SqliteBackend {
     }
 
     async fn accounts(&self) -> Result<Accounts> {
-        let credits = sqlx::query("SELECT owner, SUM(amount_usd) FROM balance_entries GROUP BY owner")
+        let credits = sqlx::query("SELECT owner, TOTAL(amount_usd) FROM balance_entries GROUP BY owner")
             .fetch_all(&self.readers)
             .await?
             .iter()
             .map(|r| Ok((r.try_get::<String, _>(0)?, r.try_get::<f64, _>(1)?)))
             .collect::<Result<Vec<_>>>()?;
         let spend = sqlx::query(
-            "SELECT owner, key_name, SUM(cost_usd), COUNT(*) FROM requests WHERE cost_usd IS NOT NULL \
+            "SELECT owner, key_name, TOTAL(cost_usd), COUNT(*) FROM requests WHERE cost_usd IS NOT NULL \
              GROUP BY owner, key_name",
         )
         .fetch_all(&self.readers)
@@ -1295,7 +1295,7 @@ impl LedgerBackend for SqliteBackend {
 
     async fn spend_since(&self, since: UnixMs) -> Result<Vec<SpendRow>> {
         sqlx::query(
-            "SELECT owner, key_name, route, SUM(cost_usd), COUNT(*) FROM requests \
+            "SELECT owner, key_name, route, TOTAL(cost_usd), COUNT(*) FROM requests \
              WHERE id >= ? AND cost_usd IS NOT NULL GROUP BY owner, key_name, route",
         )
         .bind(uuid_floor(since))
@@ -1318,15 +1318,15 @@ impl LedgerBackend for SqliteBackend {
         let bucket = bucket_ms.max(1000);
         sqlx::query(
             "SELECT (received_at / ?2) * ?2 AS b, owner, key_name, route, COALESCE(served_model, requested_model), \
-             COUNT(*), SUM(CASE WHEN cost_usd IS NULL THEN 1 ELSE 0 END), COALESCE(SUM(cost_usd), 0), \
-             COALESCE(SUM(failed_cost_usd), 0), COALESCE(SUM(MAX(attempts - 1, 0)), 0), \
-             COALESCE(SUM(CASE WHEN cost_usd IS NOT NULL THEN estimated_cost_usd END), 0), \
-             COALESCE(SUM(CASE WHEN estimated_cost_usd IS NOT NULL THEN cost_usd END), 0), \
+             COUNT(*), SUM(CASE WHEN cost_usd IS NULL THEN 1 ELSE 0 END), COALESCE(SUM(cost_usd), 0.0), \
+             COALESCE(SUM(failed_cost_usd), 0.0), COALESCE(SUM(MAX(attempts - 1, 0)), 0), \
+             COALESCE(SUM(CASE WHEN cost_usd IS NOT NULL THEN estimated_cost_usd END), 0.0), \
+             COALESCE(SUM(CASE WHEN estimated_cost_usd IS NOT NULL THEN cost_usd END), 0.0), \
              COALESCE(SUM(CASE WHEN input_tokens IS NOT NULL THEN estimated_input_tokens END), 0), \
              COALESCE(SUM(CASE WHEN estimated_input_tokens IS NOT NULL THEN \
                  input_tokens + COALESCE(CASE WHEN format = 'anthropic' THEN COALESCE(cached_input_tokens, 0) \
                  + COALESCE(cache_write_tokens, 0) END, 0) END), 0) \
-             FROM requests WHERE id >= ?1 AND state NOT IN ('received') \
+             FROM requests WHERE id >= ?1 AND state NOT IN ('received', 'calling_api') \
              GROUP BY b, owner, key_name, route, COALESCE(served_model, requested_model) ORDER BY b",
         )
         .bind(uuid_floor(since))

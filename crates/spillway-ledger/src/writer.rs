@@ -1083,6 +1083,148 @@ mod tests {
         ledger.close(Duration::from_secs(1)).await.unwrap();
     }
 
+    fn audit_entry(kind: &str, subject: &str, action: &str) -> crate::AuditEntry {
+        crate::AuditEntry {
+            id: 0,
+            at: UnixMs(1),
+            kind: kind.into(),
+            subject: subject.into(),
+            actor: "ops".into(),
+            action: action.into(),
+            trigger: None,
+            reason: "test".into(),
+            figures: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn b4_a_balance_is_credits_minus_costs_seeded_once_and_kept_through_a_prune() {
+        // spec: B4, B5
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
+        let store = ledger.store();
+        let seeds = [("team".to_owned(), 10.0)];
+        assert_eq!(store.seed_owners(&seeds, UnixMs(1)).await.unwrap(), ["team"]);
+        // The config's seed applies once: a changed config does not reset the balance.
+        assert!(
+            store
+                .seed_owners(&[("team".to_owned(), 99.0)], UnixMs(2))
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        for (n, cost) in [(0u64, Some(1.5)), (1, Some(2.0)), (2, None)] {
+            let mut r = rec(&id_at(10_000 + n as i64, n), RequestState::Done);
+            r.owner = Some("team".into());
+            r.key_name = Some("app".into());
+            r.cost_usd = cost;
+            ledger.put_request(r).await.unwrap();
+        }
+        ledger.flush().await.unwrap();
+        let balance = |a: &crate::Accounts| {
+            let credit: f64 = a.credits.iter().filter(|(o, _)| o == "team").map(|(_, c)| c).sum();
+            let spent: f64 = a
+                .spend
+                .iter()
+                .filter(|s| s.owner.as_deref() == Some("team"))
+                .map(|s| s.cost_usd)
+                .sum();
+            let folded: f64 = a
+                .key_spend
+                .iter()
+                .filter(|k| k.key_name == "app")
+                .map(|k| k.folded_usd)
+                .sum();
+            let key: f64 = a
+                .spend
+                .iter()
+                .filter(|s| s.key_name.as_deref() == Some("app"))
+                .map(|s| s.cost_usd)
+                .sum();
+            (credit - spent, key + folded)
+        };
+        assert_eq!(balance(&store.accounts().await.unwrap()), (6.5, 3.5));
+        let top_up = crate::BalanceEntry {
+            owner: "team".into(),
+            at: UnixMs(3),
+            kind: "top_up".into(),
+            amount_usd: 1.0,
+            actor: Some("ops".into()),
+            reason: Some("test".into()),
+        };
+        store
+            .credit(&top_up, &audit_entry("owner", "team", "top_up"))
+            .await
+            .unwrap();
+        assert_eq!(balance(&store.accounts().await.unwrap()), (7.5, 3.5));
+        // A prune removes the requests and folds their costs in: nothing moves.
+        let report = ledger
+            .prune(UnixMs(30_000), Some(UnixMs(20_000)), UnixMs(0), false)
+            .await
+            .unwrap();
+        assert_eq!(report.requests, 3);
+        let after = store.accounts().await.unwrap();
+        assert!(after.spend.is_empty());
+        assert_eq!(balance(&after), (7.5, 3.5));
+        assert_eq!(ledger.audit(Some("owner"), Some("team"), 5).await.unwrap().len(), 1);
+        ledger.close(Duration::from_secs(1)).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn b5_made_keys_keep_a_hash_revoke_once_and_limits_are_recorded() {
+        // spec: B5, B3
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
+        let store = ledger.store();
+        let key = crate::StoredKey {
+            name: "batch".into(),
+            owner: "team".into(),
+            secret_sha256: "ab".repeat(32),
+            hint: "sk-sw-1234".into(),
+            rpm: Some(60),
+            max_concurrency: None,
+            created_at: UnixMs(5),
+            created_by: "ops".into(),
+            revoked_at: None,
+            revoked_by: None,
+        };
+        store
+            .create_key(&key, &audit_entry("key", "batch", "created"))
+            .await
+            .unwrap();
+        assert!(matches!(
+            store.create_key(&key, &audit_entry("key", "batch", "created")).await,
+            Err(crate::Error::Conflict(_))
+        ));
+        store
+            .set_spend_limit(
+                "batch",
+                Some(2.5),
+                UnixMs(6),
+                "ops",
+                &audit_entry("key", "batch", "limit"),
+            )
+            .await
+            .unwrap();
+        store
+            .revoke_key("batch", UnixMs(7), "ops", &audit_entry("key", "batch", "revoked"))
+            .await
+            .unwrap();
+        assert!(matches!(
+            store
+                .revoke_key("batch", UnixMs(8), "ops", &audit_entry("key", "batch", "revoked"))
+                .await,
+            Err(crate::Error::NotFound)
+        ));
+        let a = store.accounts().await.unwrap();
+        assert_eq!(a.keys.len(), 1);
+        assert_eq!((a.keys[0].revoked_at, a.keys[0].rpm), (Some(UnixMs(7)), Some(60)));
+        assert_eq!(a.key_spend[0].spend_limit_usd, Some(2.5));
+        assert!(a.key_spend[0].limit_set);
+        assert_eq!(ledger.audit(Some("key"), Some("batch"), 10).await.unwrap().len(), 3);
+        ledger.close(Duration::from_secs(1)).await.unwrap();
+    }
+
     #[tokio::test]
     async fn n1_duplicates_count_keys_that_completed_twice_and_prune_keeps_unknowns() {
         // spec: N1, I6
