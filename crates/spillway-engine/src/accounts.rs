@@ -598,3 +598,89 @@ fn made_key(k: &StoredKey, secret: KeySecret) -> Key {
         spend_limit_usd: None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn accounts(extra: &str) -> Accounts {
+        let y = format!(
+            "channels:\n  - {{name: a, format: openai, base_url: 'http://127.0.0.1:9', models: [m]}}\n\
+             keys:\n  - {{name: app, owner: team, secret_env: KEY}}\n{extra}"
+        );
+        let cfg = Config::parse(
+            Path::new("t.yaml"),
+            &y,
+            &|k| (k == "KEY").then(|| "sk-accounts-test-0123456789".into()),
+            &|| unreachable!(),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        Accounts::new(&cfg, Pricing::builtin())
+    }
+
+    fn at(rfc3339: &str) -> UnixMs {
+        UnixMs(
+            chrono::DateTime::parse_from_rfc3339(rfc3339)
+                .unwrap()
+                .timestamp_millis(),
+        )
+    }
+
+    #[test]
+    fn a_day_begins_at_midnight_in_the_configured_time_zone() {
+        // spec: B3, G1
+        let a = accounts("owners:\n  - {name: team}\nbudgets: {time_zone: Europe/Berlin}\n");
+        // 22:30 UTC on 1 December is 23:30 in Berlin: the day began at 23:00 UTC the day before.
+        assert_eq!(a.day_start(at("2026-12-01T22:30:00Z")), at("2026-11-30T23:00:00Z"));
+        assert_eq!(a.day_start(at("2026-12-01T23:30:00Z")), at("2026-12-01T23:00:00Z"));
+        // Summer time: midnight in Berlin is 22:00 UTC.
+        assert_eq!(a.day_start(at("2026-07-01T12:00:00Z")), at("2026-06-30T22:00:00Z"));
+        assert_eq!(
+            accounts("owners:\n  - {name: team}\n").day_start(at("2026-12-01T22:30:00Z")),
+            at("2026-12-01T00:00:00Z")
+        );
+    }
+
+    #[test]
+    fn an_owners_daily_budget_refuses_until_the_local_day_turns() {
+        // spec: B3
+        let a = accounts("owners:\n  - {name: team, daily_budget_usd: 1.0}\nbudgets: {time_zone: Europe/Berlin}\n");
+        let key = a.all_keys()[0].clone();
+        let evening = at("2026-12-01T22:00:00Z"); // 23:00 in Berlin
+        assert!(a.admit(&key, evening).is_ok());
+        a.settle(&key, Some("openai/m"), Some(1.0), None, evening);
+        match a.admit(&key, at("2026-12-01T22:59:00Z")) {
+            Err(GatewayError::DailyBudget { budget, resets }) => {
+                assert_eq!(budget, 1.0);
+                assert_eq!(resets, "2026-12-02 00:00 CET");
+            }
+            other => panic!("{other:?}"),
+        }
+        // 00:01 in Berlin: a new day, the budget is whole again.
+        assert!(a.admit(&key, at("2026-12-01T23:01:00Z")).is_ok());
+        // The owner is not prepaid (no balance_usd): spending does not refuse it.
+        assert_eq!(a.owners(at("2026-12-01T23:01:00Z"))[0].spent_today_usd, 0.0);
+        assert!(!a.owners(evening)[0].prepaid);
+    }
+
+    #[test]
+    fn the_last_hour_forgets_what_is_older_than_sixty_minutes() {
+        // spec: G1
+        let a = accounts("owners:\n  - {name: team}\nbudgets: {routes: {openai/m: 10}}\n");
+        let key = a.all_keys()[0].clone();
+        let t0 = at("2026-12-01T10:00:00Z");
+        let h = a.settle(&key, Some("openai/m"), Some(2.0), None, t0).unwrap();
+        assert_eq!((h.last_hour_usd, h.daily_budget_usd), (2.0, 10.0));
+        let h = a
+            .settle(&key, Some("openai/m"), None, Some(0.5), UnixMs(t0.0 + 59 * 60_000))
+            .unwrap();
+        assert_eq!(h.last_hour_usd, 2.5, "an unknown cost counts at its estimate");
+        let h = a
+            .settle(&key, Some("openai/m"), Some(0.25), None, UnixMs(t0.0 + 61 * 60_000))
+            .unwrap();
+        assert_eq!(h.last_hour_usd, 0.75);
+        // A route without a budget reports nothing to a breaker.
+        assert!(a.settle(&key, Some("openai/other"), Some(5.0), None, t0).is_none());
+    }
+}

@@ -405,13 +405,17 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
             .unwrap_or(false);
     // What the provider counts: OpenAI's tokenizer (o200k) is public, so the simulated
     // OpenAI counts as OpenAI does; Anthropic's and Google's are not, and their stand-ins
-    // count a token per 4 bytes of the whole body, as a rough provider might.
+    // count by characters of the text they would tokenize, at those providers' published
+    // rules of thumb (about 3.5 characters a token for Claude, 4 for Gemini), plus a few
+    // tokens of framing per message: a different method from the gateway's estimate, so
+    // its error shows.
     let prompt_tokens = match format {
         Format::OpenAi => {
             spillway_wire::tokens::o200k_blocking();
             spillway_wire::tokens::estimate_input_tokens(format, api, &body)
         }
-        Format::Anthropic | Format::Gemini => (body.len() as u64).div_ceil(4),
+        Format::Anthropic => stand_in_count(&parsed, 3.5),
+        Format::Gemini => stand_in_count(&parsed, 4.0),
     }
     .max(1);
 
@@ -622,4 +626,37 @@ async fn control(state: &SimState, method: Method, path: String, body: Incoming)
             &json!({"error": format!("no control endpoint {method} /_control{path}")}),
         ),
     }
+}
+
+/// A provider's prompt count without its tokenizer: the characters of every string the
+/// provider would read (not model names, roles or types) at `chars_per_token`, plus 3
+/// tokens for each message or content entry.
+fn stand_in_count(v: &Value, chars_per_token: f64) -> u64 {
+    fn walk(v: &Value, key: &str, depth: u32, chars: &mut usize, entries: &mut u64) {
+        if depth > 64 {
+            return;
+        }
+        match v {
+            Value::String(s) if !matches!(key, "model" | "role" | "type" | "mime_type" | "mimeType") => {
+                *chars += s.chars().count();
+            }
+            Value::Array(items) => {
+                if matches!(key, "messages" | "contents") {
+                    *entries += items.len() as u64;
+                }
+                for i in items {
+                    walk(i, key, depth + 1, chars, entries);
+                }
+            }
+            Value::Object(m) => {
+                for (k, v) in m {
+                    walk(v, k, depth + 1, chars, entries);
+                }
+            }
+            _ => {}
+        }
+    }
+    let (mut chars, mut entries) = (0usize, 0u64);
+    walk(v, "", 0, &mut chars, &mut entries);
+    (chars as f64 / chars_per_token).ceil() as u64 + 3 * entries
 }
