@@ -20,6 +20,7 @@ describe('units', () => {
     expect(usd(null)).toBe('unknown')
     expect(usd(0, 3)).toBe('$0.00 + 3 unpriced')
     expect(usd(12.345)).toBe('$12.35')
+    expect(usd(0.00123)).toBe('$0.0012')
   })
   it('shows money with 4 decimals under a dollar and 2 above, deficits signed', () => {
     expect(money(null)).toBe('unknown')

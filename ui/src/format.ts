@@ -47,7 +47,8 @@ export function pct(v: number | null | undefined): string {
 
 export function usd(v: number | null | undefined, unknown = 0): string {
   if (v === null || v === undefined) return 'unknown'
-  const s = v < 0.01 && v > 0 ? '<$0.01' : `$${v.toFixed(2)}`
+  // A request costs fractions of a cent: the route's figure keeps that precision.
+  const s = money(v)
   return unknown > 0 ? `${s} + ${unknown} unpriced` : s
 }
 

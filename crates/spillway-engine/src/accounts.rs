@@ -371,7 +371,7 @@ impl Accounts {
             self.insert_key(made_key(k, KeySecret(secret)), Some(k));
         }
         *self.made.write().unwrap_or_else(|p| p.into_inner()) = a.keys.clone();
-        let prepaid: std::collections::HashSet<String> = a.credits.iter().map(|(o, _)| o.clone()).collect();
+        let prepaid: std::collections::HashSet<String> = a.prepaid.iter().cloned().collect();
         let mut balance: HashMap<String, f64> = a.credits.into_iter().collect();
         let mut key_spent: HashMap<String, f64> = HashMap::new();
         for row in &a.spend {
@@ -397,6 +397,9 @@ impl Accounts {
             }
         }
         let hour = ledger.store().spend_since(UnixMs(now.0 - 3_600_000)).await?;
+        for name in &prepaid {
+            balance.entry(name.clone()).or_default();
+        }
         for (name, b) in &balance {
             let o = self.owner(name);
             let mut f = lock(&o.figures);

@@ -88,8 +88,18 @@ impl Watch {
 /// `"delta"` string), found without parsing the event: every event of every stream
 /// passes here.
 fn text_len(data: &str) -> usize {
-    const KEYS: [&str; 3] = ["\"content\":\"", "\"text\":\"", "\"delta\":\""];
-    let Some(start) = KEYS.iter().filter_map(|k| data.find(k).map(|i| i + k.len())).min() else {
+    const KEYS: [&str; 3] = ["\"content\":", "\"text\":", "\"delta\":"];
+    // Gemini writes `"text": "..."`, OpenAI and Anthropic `"text":"..."`.
+    let start = KEYS
+        .iter()
+        .filter_map(|k| {
+            let after = data.find(k)? + k.len();
+            let rest = &data[after..];
+            let value = rest.len() - rest.trim_start().len();
+            rest[value..].starts_with('"').then_some(after + value + 1)
+        })
+        .min();
+    let Some(start) = start else {
         return 0;
     };
     let bytes = &data.as_bytes()[start..];
@@ -634,6 +644,25 @@ async fn drain(mut a: Active, idle: Duration) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn m2_the_text_of_an_event_is_measured_in_every_format() {
+        // spec: M2
+        assert_eq!(super::text_len(r#"{"choices":[{"delta":{"content":"Hello"}}]}"#), 5);
+        assert_eq!(
+            super::text_len(r#"{"type":"content_block_delta","delta":{"type":"text_delta","text":"a\"b\n"}}"#),
+            4
+        );
+        assert_eq!(
+            super::text_len(r#"{"candidates": [{"content": {"parts": [{"text": "caf\u00e9"}]}}]}"#),
+            4
+        );
+        assert_eq!(
+            super::text_len(r#"{"type":"response.output_text.delta","delta":"abc"}"#),
+            3
+        );
+        assert_eq!(super::text_len(r#"{"usage":{"prompt_tokens":3}}"#), 0);
+    }
     use super::*;
 
     fn ev(event: Option<&str>, data: &str) -> (SseEvent, Option<Value>) {

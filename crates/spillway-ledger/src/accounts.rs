@@ -65,6 +65,9 @@ pub struct SpendRow {
 pub struct Accounts {
     /// Credits per owner.
     pub credits: Vec<(String, f64)>,
+    /// Owners held to a balance: seeded by the config or topped up (pruned charges alone
+    /// do not make an owner prepaid).
+    pub prepaid: Vec<String>,
     /// All-time known costs by (owner, key).
     pub spend: Vec<SpendRow>,
     pub keys: Vec<StoredKey>,
@@ -89,8 +92,8 @@ pub struct CostCell {
     pub failed_cost_usd: f64,
     /// Upstream attempts beyond the first, summed.
     pub retries: u64,
-    /// Estimates and actuals of the requests that have both (so they compare like with
-    /// like).
+    /// Estimates and actuals of the requests that went upstream and have both (so they
+    /// compare like with like).
     pub estimated_usd: f64,
     pub estimated_actual_usd: f64,
     pub estimated_input_tokens: u64,

@@ -123,8 +123,8 @@ pub trait LedgerBackend: Send + Sync + 'static {
     /// B3–B5: every owner's credits, the all-time spend by owner and key, the made keys
     /// and the operators' spend limits.
     async fn accounts(&self) -> Result<Accounts>;
-    /// B4: credits each owner listed its seed, unless the ledger has met the owner before
-    /// (any credit on record). Returns the owners seeded now.
+    /// B4: starts each listed owner's balance at its seed, unless the ledger has seeded or
+    /// topped the owner up before. Returns the owners seeded now.
     async fn seed_owners(&self, seeds: &[(String, f64)], at: UnixMs) -> Result<Vec<String>>;
     /// A credit (a top-up) with its audit entry, in one durable transaction.
     async fn credit(&self, entry: &BalanceEntry, audit: &AuditEntry) -> Result<()>;

@@ -1116,6 +1116,12 @@ impl LedgerBackend for SqliteBackend {
             .iter()
             .map(|r| Ok((r.try_get::<String, _>(0)?, r.try_get::<f64, _>(1)?)))
             .collect::<Result<Vec<_>>>()?;
+        let prepaid = sqlx::query("SELECT DISTINCT owner FROM balance_entries WHERE kind IN ('seed', 'top_up')")
+            .fetch_all(&self.readers)
+            .await?
+            .iter()
+            .map(|r| Ok(r.try_get::<String, _>(0)?))
+            .collect::<Result<Vec<_>>>()?;
         let spend = sqlx::query(
             "SELECT owner, key_name, TOTAL(cost_usd), COUNT(*) FROM requests WHERE cost_usd IS NOT NULL \
              GROUP BY owner, key_name",
@@ -1170,6 +1176,7 @@ impl LedgerBackend for SqliteBackend {
             .collect::<Result<Vec<_>>>()?;
         Ok(Accounts {
             credits,
+            prepaid,
             spend,
             keys,
             key_spend,
@@ -1181,10 +1188,15 @@ impl LedgerBackend for SqliteBackend {
         let mut tx = w.0.begin().await?;
         let mut seeded = Vec::new();
         for (owner, amount) in seeds {
+            // The balance starts at the seed whatever the owner spent before it was
+            // prepaid (while metered, or in requests pruned since): the credit makes up
+            // the difference.
             let n = sqlx::query(
                 "INSERT INTO balance_entries (owner, at, kind, amount_usd, actor, reason) \
-                 SELECT ?1, ?2, 'seed', ?3, 'config', 'balance_usd in the config' \
-                 WHERE NOT EXISTS (SELECT 1 FROM balance_entries WHERE owner = ?1)",
+                 SELECT ?1, ?2, 'seed', ?3 - (SELECT TOTAL(amount_usd) FROM balance_entries WHERE owner = ?1) \
+                     + (SELECT TOTAL(cost_usd) FROM requests WHERE owner = ?1 AND cost_usd IS NOT NULL), \
+                     'config', 'balance_usd in the config' \
+                 WHERE NOT EXISTS (SELECT 1 FROM balance_entries WHERE owner = ?1 AND kind IN ('seed', 'top_up'))",
             )
             .bind(owner)
             .bind(at.0)
@@ -1320,8 +1332,8 @@ impl LedgerBackend for SqliteBackend {
             "SELECT (received_at / ?2) * ?2 AS b, owner, key_name, route, COALESCE(served_model, requested_model), \
              COUNT(*), SUM(CASE WHEN cost_usd IS NULL THEN 1 ELSE 0 END), COALESCE(SUM(cost_usd), 0.0), \
              COALESCE(SUM(failed_cost_usd), 0.0), COALESCE(SUM(MAX(attempts - 1, 0)), 0), \
-             COALESCE(SUM(CASE WHEN cost_usd IS NOT NULL THEN estimated_cost_usd END), 0.0), \
-             COALESCE(SUM(CASE WHEN estimated_cost_usd IS NOT NULL THEN cost_usd END), 0.0), \
+             COALESCE(SUM(CASE WHEN cost_usd IS NOT NULL AND attempts > 0 THEN estimated_cost_usd END), 0.0), \
+             COALESCE(SUM(CASE WHEN estimated_cost_usd IS NOT NULL AND attempts > 0 THEN cost_usd END), 0.0), \
              COALESCE(SUM(CASE WHEN input_tokens IS NOT NULL THEN estimated_input_tokens END), 0), \
              COALESCE(SUM(CASE WHEN estimated_input_tokens IS NOT NULL THEN \
                  input_tokens + COALESCE(CASE WHEN format = 'anthropic' THEN COALESCE(cached_input_tokens, 0) \

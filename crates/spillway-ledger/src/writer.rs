@@ -1113,9 +1113,14 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
-        for (n, cost) in [(0u64, Some(1.5)), (1, Some(2.0)), (2, None)] {
+        for (n, cost, owner) in [
+            (0u64, Some(1.5), "team"),
+            (1, Some(2.0), "team"),
+            (2, None, "team"),
+            (3, Some(4.0), "metered"),
+        ] {
             let mut r = rec(&id_at(10_000 + n as i64, n), RequestState::Done);
-            r.owner = Some("team".into());
+            r.owner = Some(owner.into());
             r.key_name = Some("app".into());
             r.cost_usd = cost;
             ledger.put_request(r).await.unwrap();
@@ -1138,7 +1143,7 @@ mod tests {
             let key: f64 = a
                 .spend
                 .iter()
-                .filter(|s| s.key_name.as_deref() == Some("app"))
+                .filter(|s| s.key_name.as_deref() == Some("app") && s.owner.as_deref() == Some("team"))
                 .map(|s| s.cost_usd)
                 .sum();
             (credit - spent, key + folded)
@@ -1162,10 +1167,25 @@ mod tests {
             .prune(UnixMs(30_000), Some(UnixMs(20_000)), UnixMs(0), false)
             .await
             .unwrap();
-        assert_eq!(report.requests, 3);
+        assert_eq!(report.requests, 4);
         let after = store.accounts().await.unwrap();
         assert!(after.spend.is_empty());
-        assert_eq!(balance(&after), (7.5, 3.5));
+        // The key's folded spend includes the metered owner's request on the same key.
+        assert_eq!(balance(&after), (7.5, 7.5));
+        // Pruned charges do not make a metered owner prepaid; seeding it later starts its
+        // balance at the seed, whatever it spent before.
+        assert_eq!(after.prepaid, ["team"]);
+        assert_eq!(
+            store
+                .seed_owners(&[("metered".to_owned(), 5.0)], UnixMs(40_000))
+                .await
+                .unwrap(),
+            ["metered"]
+        );
+        let a = store.accounts().await.unwrap();
+        let metered: f64 = a.credits.iter().filter(|(o, _)| o == "metered").map(|(_, c)| c).sum();
+        assert_eq!(metered, 5.0);
+        assert_eq!(a.prepaid.len(), 2);
         assert_eq!(ledger.audit(Some("owner"), Some("team"), 5).await.unwrap().len(), 1);
         ledger.close(Duration::from_secs(1)).await.unwrap();
     }
