@@ -128,19 +128,30 @@ def test_failed_attempts_are_costed_apart_and_retries_show_in_the_report(gateway
     assert cell["cost_usd"] == pytest.approx(row["cost_usd"], rel=1e-9)
 
 
-def test_a_stream_cut_after_output_bills_what_it_produced(gateway):
+@pytest.mark.parametrize("fmt", ["openai", "anthropic"])
+def test_a_stream_cut_after_output_bills_what_it_produced(gateway, fmt):
     # spec: M2, H2
-    gateway.sim.set(gateway.channel("openai"), fault={"kind": "cut_after_first_token", "after_tokens": 4})
-    with pytest.raises(Exception):
-        for _ in oa(gateway).chat.completions.create(model=MODELS["openai"], stream=True,
-                                                    messages=[{"role": "user", "content": "hello"}]):
+    gateway.sim.set(gateway.channel(fmt), fault={"kind": "cut_after_first_token", "after_tokens": 8})
+    if fmt == "openai":
+        path, body = "/v1/chat/completions", {"model": MODELS[fmt], "stream": True,
+                                              "messages": [{"role": "user", "content": "hello"}]}
+        headers = {"authorization": f"Bearer {gateway.key}"}
+    else:
+        path, body = "/v1/messages", {"model": MODELS[fmt], "stream": True, "max_tokens": 64,
+                                      "messages": [{"role": "user", "content": "hello"}]}
+        headers = {"x-api-key": gateway.key}
+    with httpx.stream("POST", gateway.url + path, json=body, headers=headers, timeout=30) as r:
+        rid = r.headers["x-request-id"]
+        for _ in r.iter_bytes():
             pass
-    with gateway.db() as con:
-        row = con.execute("SELECT * FROM requests ORDER BY id DESC LIMIT 1").fetchone()
-    row = gateway.request_row(row["id"], until=lambda r: r["state"] == "failed")
+    row = gateway.request_row(rid, until=lambda r: r["state"] == "failed")
     assert row["partial_output_committed"] == 1
-    # No usage came; the text seen and the counted input are billed.
-    assert row["output_tokens"] is None and row["cost_usd"] > 0, dict(row)
+    p = prices(gateway, MODELS[fmt])
+    # The provider's final usage never came (OpenAI: none at all; Anthropic: only the
+    # placeholder of 1 output token at the start): the text seen is billed, 8 tokens of
+    # a few characters each.
+    one_token = ((row["input_tokens"] or row["estimated_input_tokens"]) * p["input"] + p["output"]) / 1e6
+    assert row["cost_usd"] > one_token, dict(row)
 
 
 def test_embeddings_and_token_counting_costs(gateway):
@@ -295,7 +306,7 @@ def test_b5_a_made_key_is_shown_once_stored_as_a_hash_and_revocable(gateway):
                    headers={"authorization": f"Bearer {gateway.admin_token}"})
     assert r.status_code == 404 and "config" in r.json()["error"]
     actions = [a["action"] for a in gateway.admin("GET", "/admin/v1/audit?kind=key&subject=batch-jobs")]
-    assert actions == ["revoked", "spend_limit_set", "created"]
+    assert actions == ["revoked", "created"]
 
 
 def test_b5_the_cli_makes_lists_and_revokes_keys(gateway):

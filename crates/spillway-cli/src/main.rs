@@ -156,8 +156,19 @@ async fn prune(config: Option<PathBuf>, ledger: Option<PathBuf>, older_than_days
 /// `spillway keys ...`: the admin API of the gateway at `gateway`, with this machine's
 /// admin token.
 async fn keys(command: KeysCommand, gateway: &str) -> Result<()> {
-    let token = spillway_engine::admin_token()?;
     let base = gateway.trim_end_matches('/');
+    // The admin token goes in the request: never in clear text across a network.
+    let host = base
+        .split("://")
+        .nth(1)
+        .and_then(|r| r.split('/').next())
+        .unwrap_or_default();
+    if !base.starts_with("https://") && !spillway_policy::is_loopback_host(&spillway_policy::host_name(host)) {
+        anyhow::bail!(
+            "--gateway {base}: the admin token would cross the network in clear text; use https:// or a loopback address"
+        );
+    }
+    let token = spillway_engine::admin_token()?;
     let client = reqwest::Client::builder()
         .no_proxy()
         .timeout(Duration::from_secs(30))

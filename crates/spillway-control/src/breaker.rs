@@ -476,6 +476,26 @@ impl Breaker {
         None
     }
 
+    /// Whether the breaker was opened by its cost trigger and its probation is due: the
+    /// caller then checks whether the last hour still costs too much (see
+    /// [`Breaker::postpone_probation`]).
+    pub fn cost_probation_due(&self, now: Instant) -> bool {
+        matches!(self.state, State::Open { probe_at: Some(at), trigger: Trigger::Cost, .. } if now >= at)
+    }
+
+    /// G1, G3: a breaker opened for cost stays open while the last hour still costs more
+    /// than a quarter of the daily budget: probes would pass (the provider is fine) and the
+    /// next request would open it again, an alert and five probes each time. Probation is
+    /// asked again at `until`.
+    pub fn postpone_probation(&mut self, until: Instant, last_hour_usd: f64, daily_budget_usd: f64) {
+        if let State::Open { probe_at, reason, .. } = &mut self.state {
+            *probe_at = Some(until);
+            *reason = format!(
+                "the last hour still cost ${last_hour_usd:.2}, above 25 % of the ${daily_budget_usd:.2} daily budget"
+            );
+        }
+    }
+
     /// G1's cost trigger: the last hour's estimated cost against the daily budget.
     pub fn on_cost(&mut self, last_hour_usd: f64, daily_budget_usd: f64, now: Instant) -> Option<Transition> {
         if !matches!(self.state, State::Closed) || daily_budget_usd <= 0.0 {

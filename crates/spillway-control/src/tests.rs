@@ -128,6 +128,35 @@ async fn g1_cost_above_a_quarter_of_the_daily_budget_opens() {
     assert_eq!(b.on_cost(25.01, 100.0, Instant::now()).unwrap().trigger, Trigger::Cost);
 }
 
+#[tokio::test(start_paused = true)]
+async fn g1_g3_a_cost_opened_breaker_waits_for_its_hour_to_cool_before_probation() {
+    // spec: G1, G3
+    let mut b = breaker();
+    b.on_cost(30.0, 100.0, Instant::now()).unwrap();
+    assert!(!b.cost_probation_due(Instant::now()));
+    let cool = b.retry_after(Instant::now()).unwrap();
+    advance(cool).await;
+    assert!(b.cost_probation_due(Instant::now()));
+    // Still too costly: probation waits a minute more, and says why.
+    b.postpone_probation(Instant::now() + Duration::from_secs(60), 28.0, 100.0);
+    match b.admit(Instant::now()).0 {
+        Admission::Refuse { reason, retry_after } => {
+            assert!(reason.contains("still cost $28.00"), "{reason}");
+            assert_eq!(retry_after, Duration::from_secs(60));
+        }
+        a => panic!("expected a refusal, got {a:?}"),
+    }
+    advance(Duration::from_secs(60)).await;
+    // Cooled: no postponing; probation starts as for any trigger.
+    assert!(b.cost_probation_due(Instant::now()));
+    probe(&mut b);
+    // Any other trigger never asks.
+    let mut other = breaker();
+    other.force_open("drill", Instant::now());
+    advance(Duration::from_secs(3600)).await;
+    assert!(!other.cost_probation_due(Instant::now()));
+}
+
 /// Admits a request that must be a probe; returns its probation's number.
 fn probe(b: &mut Breaker) -> u64 {
     match b.admit(Instant::now()).0 {

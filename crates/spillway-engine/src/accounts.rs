@@ -19,6 +19,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
 use ts_rs::TS;
 
+/// Routes whose day and hour are followed in memory (budgeted ones always are).
+const MAX_ROUTES: usize = 4096;
+
 /// M3: the output an estimate assumes when the client sets no cap.
 pub const ASSUMED_OUTPUT_TOKENS: u64 = 1024;
 
@@ -255,11 +258,11 @@ impl Accounts {
             return at;
         };
         let date = t.with_timezone(&self.tz).date_naive();
-        let midnight = date.and_hms_opt(0, 0, 0).unwrap_or_default();
-        match self.tz.from_local_datetime(&midnight).earliest() {
-            Some(s) => UnixMs(s.timestamp_millis()),
-            None => at,
-        }
+        // Where a clock change skips midnight, the day begins at the first hour it has.
+        (0..4)
+            .filter_map(|h| date.and_hms_opt(h, 0, 0))
+            .find_map(|local| self.tz.from_local_datetime(&local).earliest())
+            .map_or(at, |s| UnixMs(s.timestamp_millis()))
     }
 
     /// When the next day begins, as a person reads it.
@@ -333,6 +336,11 @@ impl Accounts {
         }
         let minute = now.0.div_euclid(60_000);
         let mut routes = lock(&self.routes);
+        // Models a `*` channel lets clients name are endless: past this many routes only
+        // budgeted ones are followed (their spend is in the ledger all the same).
+        if budget.is_none() && routes.len() >= MAX_ROUTES && !routes.contains_key(route) {
+            return None;
+        }
         let r = routes.entry(route.to_owned()).or_default();
         if r.day != today {
             r.day = today;
@@ -493,6 +501,11 @@ impl Accounts {
     pub fn credit(&self, owner: &str, usd: f64) {
         let o = self.owner(owner);
         let mut f = lock(&o.figures);
+        // A metered owner's first credit is its balance (the ledger writes the opening
+        // entry that makes it so).
+        if !f.prepaid {
+            f.balance_usd = 0.0;
+        }
         f.prepaid = true;
         f.balance_usd += usd;
     }
@@ -567,6 +580,16 @@ impl Accounts {
         v
     }
 
+    /// G1: a budgeted route's last hour and daily budget.
+    pub fn route_hour(&self, route: &str, now: UnixMs) -> Option<(f64, f64)> {
+        let budget = *self.route_budgets.get(route)?;
+        let mut routes = lock(&self.routes);
+        let hour = routes
+            .get_mut(route)
+            .map_or(0.0, |r| r.last_hour(now.0.div_euclid(60_000)));
+        Some((hour, budget))
+    }
+
     pub fn routes(&self, now: UnixMs) -> Vec<RouteBudgetView> {
         let today = self.day(now);
         let minute = now.0.div_euclid(60_000);
@@ -639,6 +662,9 @@ mod tests {
         assert_eq!(a.day_start(at("2026-12-01T23:30:00Z")), at("2026-12-01T23:00:00Z"));
         // Summer time: midnight in Berlin is 22:00 UTC.
         assert_eq!(a.day_start(at("2026-07-01T12:00:00Z")), at("2026-06-30T22:00:00Z"));
+        // Where a clock change skips midnight (Santiago, 2026-09-06), the day begins at 01:00.
+        let cl = accounts("owners:\n  - {name: team}\nbudgets: {time_zone: America/Santiago}\n");
+        assert_eq!(cl.day_start(at("2026-09-06T15:00:00Z")), at("2026-09-06T04:00:00Z"));
         assert_eq!(
             accounts("owners:\n  - {name: team}\n").day_start(at("2026-12-01T22:30:00Z")),
             at("2026-12-01T00:00:00Z")

@@ -133,6 +133,14 @@ impl RouteControl {
 
         let (a, moved) = self.with(|i| {
             i.last_used = now;
+            // G1: a cost-opened breaker waits for its last hour to cool before probation.
+            if i.breaker.cost_probation_due(now)
+                && let Some((hour, budget)) = st.accounts.route_hour(&self.name, crate::clock::now())
+                && hour > 0.25 * budget
+            {
+                i.breaker
+                    .postpone_probation(now + Duration::from_secs(60), hour, budget);
+            }
             let (a, t) = i.breaker.admit(now);
             if !matches!(a, Admission::Refuse { .. }) {
                 i.budget.request(now);

@@ -241,8 +241,12 @@ fn pricing_upkeep(st: &Arc<AppState>) {
     let weak = Arc::downgrade(st);
     let path = st.config.pricing.clone();
     tokio::spawn(async move {
-        let stamp = |p: &std::path::Path| std::fs::metadata(p).ok().map(|m| (m.modified().ok(), m.len()));
-        let mut seen = path.as_deref().and_then(stamp);
+        // The file's text, not its timestamp: an edit within the file system's timestamp
+        // granularity is still seen. A change is applied once it has held for one poll,
+        // so a file caught halfway through being written is not taken.
+        let read = |p: &std::path::Path| std::fs::read(p).ok();
+        let mut applied = path.as_deref().and_then(read);
+        let mut pending: Option<Vec<u8>> = None;
         let mut last_stale_day = i64::MIN;
         loop {
             let Some(st) = weak.upgrade() else { return };
@@ -250,9 +254,13 @@ fn pricing_upkeep(st: &Arc<AppState>) {
                 return;
             }
             if let Some(p) = &path {
-                let now_stamp = stamp(p);
-                if now_stamp != seen {
-                    seen = now_stamp;
+                let now_text = read(p);
+                if now_text == applied {
+                    pending = None;
+                } else if now_text != pending {
+                    pending = now_text;
+                } else {
+                    applied = pending.take();
                     match read_pricing(p) {
                         Ok(new) => {
                             let body = format!(

@@ -642,11 +642,16 @@ impl Life {
         let watch = &mut primed.watch;
         let mut att = primed.att.clone();
         apply_usage(&mut self.rec, &mut att, &watch.usage);
-        // M2: a stream cut before its usage came bills what it produced: the text seen,
-        // and the input counted before the call.
+        // M2: a stream cut before its final usage came bills what it produced: the text
+        // seen (Anthropic reports a placeholder output count at the start, so a cut
+        // stream takes the larger), and the input counted before the call.
         let mut billed = watch.usage;
-        if billed.output_tokens.is_none() && watch.text_bytes > 0 {
-            billed.output_tokens = Some(watch.text_bytes.div_ceil(4));
+        let seen = watch.text_bytes.div_ceil(4);
+        let complete = matches!(end, StreamEnd::Complete) && watch.stream_error.is_none();
+        match billed.output_tokens {
+            None if seen > 0 => billed.output_tokens = Some(seen),
+            Some(n) if !complete && seen > n => billed.output_tokens = Some(seen),
+            _ => {}
         }
         if billed.input_tokens.is_none() && billed.output_tokens.is_some() {
             billed.input_tokens = self.rec.estimated_input_tokens;

@@ -259,20 +259,7 @@ pub async fn create_key(State(st): State<Arc<AppState>>, body: axum::body::Bytes
         &reason,
         serde_json::json!([{"name": "owner", "value": stored.owner}, {"name": "spend_limit_usd", "value": limit}]),
     );
-    let ledger = st.ledger.store();
-    let mut saved = ledger.create_key(&stored, &entry).await;
-    if saved.is_ok() && limit.is_some() {
-        let e = audit(
-            "key",
-            &name,
-            &actor,
-            "spend_limit_set",
-            &reason,
-            serde_json::json!([{"name": "spend_limit_usd", "value": limit}]),
-        );
-        saved = ledger.set_spend_limit(&name, limit, now, &actor, &e).await;
-    }
-    match saved {
+    match st.ledger.store().create_key(&stored, limit, &entry).await {
         Ok(()) => {}
         Err(spillway_ledger::Error::Conflict(m)) => return admin_error(StatusCode::CONFLICT, m),
         Err(e) => {

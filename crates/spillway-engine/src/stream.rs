@@ -58,9 +58,17 @@ impl Watch {
             if ev.data == "[DONE]" || ev.data.is_empty() {
                 continue;
             }
-            self.text_bytes += text_len(&ev.data) as u64;
+            // The Responses API repeats the whole text in its `.done` events: only deltas
+            // are new text.
+            if !ev.data.contains("\"type\":\"response.") || ev.data.contains(".delta\"") {
+                self.text_bytes += text_len(&ev.data) as u64;
+            }
+            // A chunk that names usage without giving it (`"usage":null`, on every chunk of
+            // an OpenAI stream that asked for it) is not worth parsing.
             let looks_relevant = self.first_token_at.is_none()
-                || ev.data.contains("usage")
+                || ev.data.contains("\"usage\":{")
+                || ev.data.contains("\"usage\": {")
+                || ev.data.contains("usageMetadata")
                 || ev.data.contains("\"error\"")
                 || ev.event.as_deref() == Some("error");
             if !looks_relevant {
@@ -203,7 +211,7 @@ impl UsageStrip {
         let Ok(text) = std::str::from_utf8(event) else {
             return false;
         };
-        if !text.contains("usage") {
+        if !text.contains("\"choices\":[]") {
             return false;
         }
         let data: String = text
@@ -221,7 +229,9 @@ impl UsageStrip {
     /// What of `chunk` goes to the client now.
     fn push(&mut self, chunk: Bytes) -> Bytes {
         let ends_whole = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
-        if self.pending.is_empty() && ends_whole && !chunk.windows(7).any(|w| w == b"\"usage\"") {
+        // With usage asked for, OpenAI puts `"usage":null` on every chunk: only a chunk
+        // with an empty choices list can be the usage chunk.
+        if self.pending.is_empty() && ends_whole && !chunk.windows(12).any(|w| w == b"\"choices\":[]") {
             return chunk;
         }
         self.pending.extend_from_slice(&chunk);
@@ -615,6 +625,14 @@ async fn drain(mut a: Active, idle: Duration) {
     if a.primed.inner_done {
         return a.finish(StreamEnd::Complete);
     }
+    // What is kept for a replay is what the client would have read: the usage chunk it
+    // did not ask for taken out, an event held back by the strip added at the end.
+    let done = |mut a: Active| {
+        if let Some(rest) = a.primed.strip.as_mut().map(UsageStrip::finish) {
+            a.life.captured(&rest);
+        }
+        a.finish(StreamEnd::Complete)
+    };
     loop {
         let next = tokio::select! {
             biased;
@@ -629,13 +647,14 @@ async fn drain(mut a: Active, idle: Duration) {
                     format!("upstream sent nothing for {ms} ms"),
                 ));
             }
-            Ok(None) => return a.finish(StreamEnd::Complete),
+            Ok(None) => return done(a),
             Ok(Some(Err(e))) => {
                 let msg = spillway_ledger::truncate(format!("upstream stream broke off: {e}"), 512);
                 return a.finish(StreamEnd::Broken(ErrorClass::StreamInterrupted, msg));
             }
             Ok(Some(Ok(chunk))) => {
                 a.primed.watch.observe(&chunk);
+                let chunk = a.primed.for_client(chunk);
                 a.life.captured(&chunk);
             }
         }

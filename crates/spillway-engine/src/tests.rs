@@ -170,6 +170,7 @@ impl LedgerBackend for Memory {
     async fn create_key(
         &self,
         _: &spillway_ledger::StoredKey,
+        _: Option<f64>,
         _: &spillway_ledger::AuditEntry,
     ) -> spillway_ledger::Result<()> {
         Ok(())

@@ -12,8 +12,9 @@ use ts_rs::TS;
 pub struct BalanceEntry {
     pub owner: String,
     pub at: UnixMs,
-    /// `seed` (the config's `balance_usd`, once), `top_up`, or `pruned_charges` (the costs
-    /// of pruned requests, folded in as a negative credit).
+    /// `seed` (the config's `balance_usd`, once), `top_up`, `opening` (when a metered
+    /// owner gets its first credit: what makes its balance start at that credit), or
+    /// `pruned_charges` (the costs of pruned requests, folded in as a negative credit).
     pub kind: String,
     pub amount_usd: f64,
     pub actor: Option<String>,

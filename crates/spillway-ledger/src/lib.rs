@@ -128,8 +128,9 @@ pub trait LedgerBackend: Send + Sync + 'static {
     async fn seed_owners(&self, seeds: &[(String, f64)], at: UnixMs) -> Result<Vec<String>>;
     /// A credit (a top-up) with its audit entry, in one durable transaction.
     async fn credit(&self, entry: &BalanceEntry, audit: &AuditEntry) -> Result<()>;
-    /// B5: a made key with its audit entry. `Conflict` when the name is taken.
-    async fn create_key(&self, key: &StoredKey, audit: &AuditEntry) -> Result<()>;
+    /// B5: a made key (with its spend limit, when it has one) and its audit entry, in one
+    /// durable transaction. `Conflict` when the name is taken.
+    async fn create_key(&self, key: &StoredKey, spend_limit: Option<f64>, audit: &AuditEntry) -> Result<()>;
     /// B5: revokes a made key. `NotFound` when there is no such made key.
     async fn revoke_key(&self, name: &str, at: UnixMs, by: &str, audit: &AuditEntry) -> Result<()>;
     /// B3: an operator's spend limit on a key (None lifts it), with its audit entry.

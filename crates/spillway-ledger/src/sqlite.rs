@@ -1215,6 +1215,20 @@ impl LedgerBackend for SqliteBackend {
     async fn credit(&self, e: &BalanceEntry, audit: &AuditEntry) -> Result<()> {
         let mut w = self.writable().await?;
         let mut tx = w.0.begin().await?;
+        // The first money a metered owner gets makes it prepaid: its balance starts at
+        // the amount, not at the amount less everything it spent while metered.
+        sqlx::query(
+            "INSERT INTO balance_entries (owner, at, kind, amount_usd, actor, reason) \
+             SELECT ?1, ?2, 'opening', \
+                 (SELECT TOTAL(cost_usd) FROM requests WHERE owner = ?1 AND cost_usd IS NOT NULL) \
+                 - (SELECT TOTAL(amount_usd) FROM balance_entries WHERE owner = ?1), \
+                 'gateway', 'the owner becomes prepaid: its metered spend is not taken from its first credit' \
+             WHERE NOT EXISTS (SELECT 1 FROM balance_entries WHERE owner = ?1 AND kind IN ('seed', 'top_up'))",
+        )
+        .bind(&e.owner)
+        .bind(e.at.0)
+        .execute(&mut *tx)
+        .await?;
         sqlx::query(
             "INSERT INTO balance_entries (owner, at, kind, amount_usd, actor, reason) VALUES (?, ?, ?, ?, ?, ?)",
         )
@@ -1231,7 +1245,7 @@ impl LedgerBackend for SqliteBackend {
         Ok(())
     }
 
-    async fn create_key(&self, k: &StoredKey, audit: &AuditEntry) -> Result<()> {
+    async fn create_key(&self, k: &StoredKey, spend_limit: Option<f64>, audit: &AuditEntry) -> Result<()> {
         let mut w = self.writable().await?;
         let mut tx = w.0.begin().await?;
         let taken = sqlx::query("SELECT 1 FROM api_keys WHERE name = ? OR secret_sha256 = ?")
@@ -1256,6 +1270,19 @@ impl LedgerBackend for SqliteBackend {
         .bind(&k.created_by)
         .execute(&mut *tx)
         .await?;
+        if spend_limit.is_some() {
+            sqlx::query(
+                "INSERT INTO key_spend (key_name, limit_set, spend_limit_usd, set_at, set_by) VALUES (?, 1, ?, ?, ?) \
+                 ON CONFLICT (key_name) DO UPDATE SET limit_set = 1, spend_limit_usd = excluded.spend_limit_usd, \
+                 set_at = excluded.set_at, set_by = excluded.set_by",
+            )
+            .bind(&k.name)
+            .bind(spend_limit)
+            .bind(k.created_at.0)
+            .bind(&k.created_by)
+            .execute(&mut *tx)
+            .await?;
+        }
         insert_audit(&mut tx, audit).await?;
         tx.commit().await?;
         Ok(())

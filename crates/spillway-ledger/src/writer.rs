@@ -1186,6 +1186,37 @@ mod tests {
         let metered: f64 = a.credits.iter().filter(|(o, _)| o == "metered").map(|(_, c)| c).sum();
         assert_eq!(metered, 5.0);
         assert_eq!(a.prepaid.len(), 2);
+        // A metered owner's first top-up is its balance, whatever it spent before.
+        let mut r = rec(&id_at(50_000, 9), RequestState::Done);
+        r.owner = Some("walk-in".into());
+        r.cost_usd = Some(40.0);
+        ledger.put_request(r).await.unwrap();
+        ledger.flush().await.unwrap();
+        let first = crate::BalanceEntry {
+            owner: "walk-in".into(),
+            at: UnixMs(60_000),
+            kind: "top_up".into(),
+            amount_usd: 10.0,
+            actor: Some("ops".into()),
+            reason: Some("test".into()),
+        };
+        store
+            .credit(&first, &audit_entry("owner", "walk-in", "top_up"))
+            .await
+            .unwrap();
+        store
+            .credit(&first, &audit_entry("owner", "walk-in", "top_up"))
+            .await
+            .unwrap();
+        let a = store.accounts().await.unwrap();
+        let credits: f64 = a.credits.iter().filter(|(o, _)| o == "walk-in").map(|(_, c)| c).sum();
+        let spent: f64 = a
+            .spend
+            .iter()
+            .filter(|s| s.owner.as_deref() == Some("walk-in"))
+            .map(|s| s.cost_usd)
+            .sum();
+        assert_eq!(credits - spent, 20.0);
         assert_eq!(ledger.audit(Some("owner"), Some("team"), 5).await.unwrap().len(), 1);
         ledger.close(Duration::from_secs(1)).await.unwrap();
     }
@@ -1209,11 +1240,13 @@ mod tests {
             revoked_by: None,
         };
         store
-            .create_key(&key, &audit_entry("key", "batch", "created"))
+            .create_key(&key, None, &audit_entry("key", "batch", "created"))
             .await
             .unwrap();
         assert!(matches!(
-            store.create_key(&key, &audit_entry("key", "batch", "created")).await,
+            store
+                .create_key(&key, Some(1.0), &audit_entry("key", "batch", "created"))
+                .await,
             Err(crate::Error::Conflict(_))
         ));
         store
@@ -1419,8 +1452,8 @@ mod tests {
         async fn credit(&self, e: &crate::BalanceEntry, a: &crate::AuditEntry) -> Result<()> {
             self.inner.credit(e, a).await
         }
-        async fn create_key(&self, k: &crate::StoredKey, a: &crate::AuditEntry) -> Result<()> {
-            self.inner.create_key(k, a).await
+        async fn create_key(&self, k: &crate::StoredKey, l: Option<f64>, a: &crate::AuditEntry) -> Result<()> {
+            self.inner.create_key(k, l, a).await
         }
         async fn revoke_key(&self, n: &str, at: UnixMs, by: &str, a: &crate::AuditEntry) -> Result<()> {
             self.inner.revoke_key(n, at, by, a).await

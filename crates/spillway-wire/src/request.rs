@@ -400,19 +400,30 @@ fn non_empty(field: &str, len: usize) -> Result<(), RequestError> {
 
 /// M2: an OpenAI chat request body that streams with `stream_options.include_usage` set
 /// (the client's other stream options kept), so that the stream reports its usage; None
-/// when the body is not a JSON object.
+/// when the body is not a JSON object. Everything else stays as the client wrote it, byte
+/// for byte: a structured-output schema's property order is what the model follows, and
+/// large integers must not pass through floating point.
 pub fn with_stream_usage(body: &[u8]) -> Option<Vec<u8>> {
-    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
-    let obj = v.as_object_mut()?;
-    let opts = obj
-        .entry("stream_options")
-        .or_insert_with(|| serde_json::Value::Object(Default::default()));
-    if !opts.is_object() {
-        *opts = serde_json::Value::Object(Default::default());
-    }
-    opts.as_object_mut()?
-        .insert("include_usage".into(), serde_json::Value::Bool(true));
-    serde_json::to_vec(&v).ok()
+    use serde_json::value::RawValue;
+    let text = std::str::from_utf8(body).ok()?;
+    let top: std::collections::BTreeMap<String, Box<RawValue>> = serde_json::from_str(text).ok()?;
+    let Some(opts) = top.get("stream_options") else {
+        // The usual case: the field goes in first, the client's text follows untouched.
+        let open = text.find('{')?;
+        let rest = &text[open + 1..];
+        let sep = if rest.trim_start().starts_with('}') { "" } else { "," };
+        return Some(format!("{{\"stream_options\":{{\"include_usage\":true}}{sep}{rest}").into_bytes());
+    };
+    // The client sent stream options without usage: that one object is rewritten (its
+    // members are flags), the rest of the body is carried as raw text.
+    let mut o: serde_json::Map<String, serde_json::Value> = serde_json::from_str(opts.get()).unwrap_or_default();
+    o.insert("include_usage".into(), serde_json::Value::Bool(true));
+    let mut top = top;
+    top.insert(
+        "stream_options".into(),
+        RawValue::from_string(serde_json::to_string(&o).ok()?).ok()?,
+    );
+    serde_json::to_vec(&top).ok()
 }
 
 /// Whether `model` is a plausible model name: what goes into an upstream URL path (Gemini)
@@ -884,5 +895,34 @@ mod tests {
                 let _ = parse_request(f, Api::Generate, Some("m"), false, &noise);
             }
         }
+    }
+    #[test]
+    fn m2_asking_for_stream_usage_keeps_the_clients_json_as_written() {
+        // spec: M2
+        let body = br#"{"model":"gpt-4o","stream":true,"seed":18446744073709551615,"messages":[{"role":"user","content":"hi"}],"response_format":{"type":"json_schema","json_schema":{"name":"a","schema":{"type":"object","properties":{"reasoning":{"type":"string"},"answer":{"type":"string"}}}}}}"#;
+        let out = String::from_utf8(with_stream_usage(body).unwrap()).unwrap();
+        assert!(
+            out.starts_with(r#"{"stream_options":{"include_usage":true},"model":"gpt-4o""#),
+            "{out}"
+        );
+        // The schema's property order and a u64 beyond f64 survive untouched.
+        assert!(
+            out.contains(r#""properties":{"reasoning":{"type":"string"},"answer":{"type":"string"}}"#),
+            "{out}"
+        );
+        assert!(out.contains("18446744073709551615"), "{out}");
+        // Stream options the client set are kept, with usage turned on.
+        let body = br#"{"model":"m","stream":true,"stream_options":{"include_usage":false,"include_obfuscation":false},"messages":[{"role":"user","content":"hi"}]}"#;
+        let v: serde_json::Value = serde_json::from_slice(&with_stream_usage(body).unwrap()).unwrap();
+        assert_eq!(
+            v["stream_options"],
+            serde_json::json!({"include_usage": true, "include_obfuscation": false})
+        );
+        assert_eq!(v["messages"][0]["content"], "hi");
+        // Not an object stays refused; garbage in stream_options becomes just usage.
+        assert!(with_stream_usage(b"[1]").is_none());
+        let v: serde_json::Value =
+            serde_json::from_slice(&with_stream_usage(br#"{"stream_options":7}"#).unwrap()).unwrap();
+        assert_eq!(v["stream_options"], serde_json::json!({"include_usage": true}));
     }
 }

@@ -143,10 +143,21 @@ impl Bpe {
             tokens += if self.rank(piece).is_some() {
                 1
             } else {
-                self.merge_count(piece)
+                self.piece_count(piece)
             };
         }
         tokens
+    }
+
+    /// One piece's tokens: exact up to [`MAX_EXACT_PIECE`] bytes; past it (a long run
+    /// without a split, which only a crafted body sends) a byte estimate, so no piece costs
+    /// more than a bounded merge.
+    fn piece_count(&self, piece: &[u8]) -> usize {
+        if piece.len() > MAX_EXACT_PIECE {
+            piece.len().div_ceil(4)
+        } else {
+            self.merge_count(piece)
+        }
     }
 
     /// tiktoken's `byte_pair_encode`, counting: the pieces left once the lowest-ranked
@@ -345,9 +356,20 @@ const GEMINI_PER_O200K: f64 = 1.0;
 const MAX_DEPTH: u32 = 64;
 
 /// What a request's counted fields add up to.
+/// Text counted exactly per request; past it, the rest is counted at the rate measured
+/// on what was counted, so a 16 MiB body costs a request a bounded, small time on the
+/// request path (about a millisecond) and no more memory than its pieces.
+const MAX_EXACT_TEXT: usize = 64 * 1024;
+/// A piece (a run the pre-tokenizer does not split) merged exactly; longer ones are
+/// estimated by their bytes.
+const MAX_EXACT_PIECE: usize = 4096;
+
 struct Tally {
     /// `None` until the table has loaded: text is then counted in bytes.
     bpe: Option<&'static Bpe>,
+    /// Bytes of text counted exactly so far, and past the cap (estimated at the end).
+    exact_bytes: usize,
+    rest_bytes: usize,
     /// Counted text: o200k tokens, or bytes without the table. Scaled per format.
     text: u64,
     /// Tokens already in the provider's own units (framing, media, token ids): not scaled.
@@ -358,6 +380,8 @@ impl Tally {
     fn new(bpe: Option<&'static Bpe>) -> Tally {
         Tally {
             bpe,
+            exact_bytes: 0,
+            rest_bytes: 0,
             text: 0,
             tokens: 0,
         }
@@ -365,7 +389,16 @@ impl Tally {
 
     fn text(&mut self, s: &str) {
         let n = match self.bpe {
-            Some(bpe) => bpe.count(s),
+            Some(bpe) => {
+                let left = MAX_EXACT_TEXT.saturating_sub(self.exact_bytes);
+                let mut cut = s.len().min(left);
+                while !s.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                self.exact_bytes += cut;
+                self.rest_bytes += s.len() - cut;
+                bpe.count(&s[..cut])
+            }
             None => s.len(),
         };
         self.text = self.text.saturating_add(n as u64);
@@ -394,6 +427,11 @@ impl Tally {
     /// tokens already in its units.
     fn total(&self, per_o200k: f64) -> u64 {
         let text = match self.bpe {
+            // The text past the cap at the rate of the text before it.
+            Some(_) if self.rest_bytes > 0 => {
+                let rate = self.text as f64 / self.exact_bytes.max(1) as f64;
+                self.text.saturating_add((self.rest_bytes as f64 * rate).ceil() as u64)
+            }
             Some(_) => self.text,
             None => self.text.div_ceil(4),
         };
@@ -1048,5 +1086,23 @@ mod tests {
                 let _ = estimate_input_tokens(f, Api::Generate, &valid[..i]);
             }
         }
+    }
+    #[test]
+    fn m3_a_huge_body_is_counted_in_bounded_time_and_memory() {
+        // spec: M3
+        let bpe = o200k_blocking();
+        // One 8 MiB run the pre-tokenizer cannot split, and 8 MiB of tiny pieces.
+        for text in ["a".repeat(8 << 20), "a ".repeat(4 << 20)] {
+            let body = serde_json::json!({"model": "gpt-4o", "messages": [{"role": "user", "content": text}]});
+            let body = serde_json::to_vec(&body).unwrap();
+            let t = std::time::Instant::now();
+            let n = estimate_input_tokens(Format::OpenAi, Api::Generate, &body);
+            // Generous for a debug build on a busy machine; what matters is that it is not
+            // seconds per megabyte.
+            assert!(t.elapsed() < std::time::Duration::from_secs(5), "{:?}", t.elapsed());
+            assert!(n > 1_000_000 && n < 9_000_000, "{n}");
+        }
+        // Below the caps nothing changes: exact.
+        assert_eq!(bpe.count(&"a".repeat(300)), bpe.piece_count("a".repeat(300).as_bytes()));
     }
 }

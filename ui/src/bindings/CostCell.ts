@@ -23,7 +23,7 @@ failed_cost_usd: number,
  */
 retries: number, 
 /**
- * Estimates and actuals of the requests that have both (so they compare like with
- * like).
+ * Estimates and actuals of the requests that went upstream and have both (so they
+ * compare like with like).
  */
 estimated_usd: number, estimated_actual_usd: number, estimated_input_tokens: number, actual_input_tokens: number, };
