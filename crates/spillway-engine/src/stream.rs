@@ -38,6 +38,10 @@ pub struct Watch {
     pub response_id: Option<String>,
     /// M2: bytes of output text seen, to bill a stream cut before its usage came.
     pub text_bytes: u64,
+    /// The provider's own end of the stream was seen (`[DONE]`, `message_stop`,
+    /// `response.completed`, a Gemini finish reason): a client that hangs up after it has
+    /// its whole answer.
+    pub finished: bool,
 }
 
 impl Watch {
@@ -50,13 +54,24 @@ impl Watch {
             stream_error: None,
             response_id: None,
             text_bytes: 0,
+            finished: false,
         }
     }
 
     fn observe(&mut self, chunk: &[u8]) {
         for ev in self.parser.push(chunk) {
-            if ev.data == "[DONE]" || ev.data.is_empty() {
+            if ev.data == "[DONE]" {
+                self.finished = true;
                 continue;
+            }
+            if ev.data.is_empty() {
+                continue;
+            }
+            if ev.event.as_deref() == Some("message_stop")
+                || ev.data.contains("\"finishReason\"")
+                || ev.data.contains("\"type\":\"response.completed\"")
+            {
+                self.finished = true;
             }
             // The Responses API repeats the whole text in its `.done` events: only deltas
             // are new text.
@@ -606,11 +621,16 @@ impl Drop for StreamBody {
                 rt.spawn(drain(a, self.idle_timeout));
                 return;
             }
-            a.finish(if shutting {
+            let end = if shutting {
                 StreamEnd::Interrupted
+            } else if a.primed.watch.finished && a.primed.prefix.is_empty() {
+                // SDKs close the connection as soon as they read the provider's end
+                // marker, often before the upstream's own end reached the gateway.
+                StreamEnd::Complete
             } else {
                 StreamEnd::ClientGone
-            });
+            };
+            a.finish(end);
         }
     }
 }

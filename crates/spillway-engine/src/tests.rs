@@ -738,6 +738,23 @@ async fn h2_a_stream_that_goes_quiet_after_output_ends_with_an_error_event() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_client_that_hangs_up_right_after_the_end_marker_got_its_whole_answer() {
+    // spec: I3, H1
+    let (st, _) = state_with(config("", &[("a", 4)]));
+    let (tx, mut body, id) = primed_stream(&st, None).await;
+    assert!(body.next().await.is_some());
+    assert!(body.next().await.is_some());
+    // The provider's end marker reaches the client; the upstream's own end has not yet
+    // reached the gateway when the SDK, done, closes the connection.
+    tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await.unwrap();
+    assert_eq!(&body.next().await.unwrap().unwrap()[..], b"data: [DONE]\n\n");
+    drop(body);
+    let (rec, _) = rows(&st, &id).await;
+    assert_eq!((rec.state, rec.error_class), (RequestState::Done, None));
+    drop(tx);
+}
+
+#[tokio::test(start_paused = true)]
 async fn b1_a_client_that_goes_away_mid_stream_frees_its_slots() {
     // spec: B1, C1
     let (st, _) = state_with(config("", &[("a", 4)]));
