@@ -16,6 +16,7 @@ deps-system:
 	command -v python3 >/dev/null || missing="$$missing python3"; \
 	python3 -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	command -v npm >/dev/null || missing="$$missing nodejs npm"; \
+	[ -e /usr/share/zoneinfo/Europe/Berlin ] || missing="$$missing tzdata"; \
 	if [ -n "$$missing" ]; then \
 		echo "==> installing system packages:$$missing"; \
 		$(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \

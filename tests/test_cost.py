@@ -419,3 +419,17 @@ def test_m1_stale_prices_are_flagged_in_the_cost_view(gateway):
         assert m["source"].startswith("https://") and len(m["checked"]) == 10
     # Prices from memory in the shipped catalog are dated older on purpose: flagged.
     assert any(m["stale"] for m in view["pricing"]["models"])
+
+
+def test_an_unknown_time_zone_is_refused_with_its_name(tmp_path):
+    # spec: B3
+    cfg = tmp_path / "gateway.yaml"
+    cfg.write_text("channels:\n  - {name: a, format: openai, base_url: 'http://127.0.0.1:9', models: [m]}\n"
+                   "budgets: {time_zone: Mars/Olympus_Mons}\n")
+    out = subprocess.run([str(BIN), "check", "--config", str(cfg)], capture_output=True, text=True, env=clean_env(),
+                         timeout=30)
+    assert out.returncode != 0 and "budgets.time_zone" in out.stderr and "Mars/Olympus_Mons" in out.stderr, out.stderr
+    cfg.write_text(cfg.read_text().replace("Mars/Olympus_Mons", "../../etc/passwd"))
+    out = subprocess.run([str(BIN), "check", "--config", str(cfg)], capture_output=True, text=True, env=clean_env(),
+                         timeout=30)
+    assert out.returncode != 0 and "not an IANA time zone" in out.stderr, out.stderr

@@ -10,7 +10,6 @@
 use crate::error::GatewayError;
 use crate::limits::KeyLimits;
 use crate::state::KeyRt;
-use chrono::TimeZone;
 use serde::Serialize;
 use spillway_ledger::{Ledger, StoredKey};
 use spillway_policy::{Config, Key, KeySecret, Pricing};
@@ -134,14 +133,25 @@ pub struct Accounts {
     made: RwLock<Vec<StoredKey>>,
     routes: Mutex<HashMap<String, RouteSpend>>,
     pricing: RwLock<Arc<Pricing>>,
-    tz: chrono_tz::Tz,
+    /// The budgets' day: read from the system's tz database (a compiled-in one costs the
+    /// idle gateway over 2 MiB of relocated tables for the few hundred zones it never uses).
+    tz: tz::TimeZone,
+    tz_name: String,
     route_budgets: BTreeMap<String, f64>,
 }
 
 impl Accounts {
     /// The config's keys and owners with fresh figures (no ledger read yet; see
     /// [`Accounts::load`]).
-    pub fn new(config: &Config, pricing: Pricing) -> Accounts {
+    pub fn new(config: &Config, pricing: Pricing) -> Result<Accounts, String> {
+        let name = config.budgets.time_zone.as_str();
+        let tz = if name == "UTC" {
+            tz::TimeZone::utc()
+        } else {
+            tz::TimeZone::from_posix_tz(name).map_err(|e| {
+                format!("budgets.time_zone: `{name}` is not in this system's tz database (/usr/share/zoneinfo): {e}")
+            })?
+        };
         let owners: HashMap<String, Arc<OwnerAccount>> = config
             .owners
             .iter()
@@ -164,13 +174,14 @@ impl Accounts {
             made: RwLock::new(Vec::new()),
             routes: Mutex::new(HashMap::new()),
             pricing: RwLock::new(Arc::new(pricing)),
-            tz: config.budgets.time_zone,
+            tz,
+            tz_name: name.to_owned(),
             route_budgets: config.budgets.routes.clone(),
         };
         for k in &config.keys {
             accounts.insert_key(k.clone(), None);
         }
-        accounts
+        Ok(accounts)
     }
 
     fn owner(&self, name: &str) -> Arc<OwnerAccount> {
@@ -240,38 +251,61 @@ impl Accounts {
         *self.pricing.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(p);
     }
 
-    pub fn time_zone(&self) -> chrono_tz::Tz {
-        self.tz
+    pub fn time_zone(&self) -> &str {
+        &self.tz_name
     }
 
-    /// The day `at` falls on in the budgets' time zone (days since 0001-01-01).
+    /// The offset from UTC at `secs` since the epoch, in seconds.
+    fn offset(&self, secs: i64) -> i64 {
+        self.tz
+            .find_local_time_type(secs)
+            .map_or(0, |t| i64::from(t.ut_offset()))
+    }
+
+    /// The day `secs` (since the epoch) falls on in the budgets' time zone, counted from
+    /// 1970-01-01 there.
+    fn day_of(&self, secs: i64) -> i64 {
+        (secs + self.offset(secs)).div_euclid(86_400)
+    }
+
     fn day(&self, at: UnixMs) -> i32 {
-        use chrono::Datelike;
-        chrono::DateTime::from_timestamp_millis(at.0)
-            .map(|t| t.with_timezone(&self.tz).date_naive().num_days_from_ce())
-            .unwrap_or(0)
+        self.day_of(at.0.div_euclid(1000)) as i32
+    }
+
+    /// The first second in (`lo`, `hi`] whose day is `day` or later: local days only move
+    /// forward as time does, so a binary search finds where one begins, clock changes
+    /// (a skipped midnight included) and all.
+    fn first_second_of(&self, day: i64, mut lo: i64, mut hi: i64) -> i64 {
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if self.day_of(mid) >= day {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        hi
     }
 
     /// When the day of `at` began, in the budgets' time zone.
     pub fn day_start(&self, at: UnixMs) -> UnixMs {
-        let Some(t) = chrono::DateTime::from_timestamp_millis(at.0) else {
-            return at;
-        };
-        let date = t.with_timezone(&self.tz).date_naive();
-        // Where a clock change skips midnight, the day begins at the first hour it has.
-        (0..4)
-            .filter_map(|h| date.and_hms_opt(h, 0, 0))
-            .find_map(|local| self.tz.from_local_datetime(&local).earliest())
-            .map_or(at, |s| UnixMs(s.timestamp_millis()))
+        let secs = at.0.div_euclid(1000);
+        let day = self.day_of(secs);
+        UnixMs(self.first_second_of(day, secs - 50 * 3600, secs) * 1000)
     }
 
-    /// When the next day begins, as a person reads it.
+    /// When the next day begins, as a person reads it: local time and offset.
     fn next_day_label(&self, at: UnixMs) -> String {
-        let start = self.day_start(at);
-        let next = self.day_start(UnixMs(start.0 + 26 * 3_600_000));
-        chrono::DateTime::from_timestamp_millis(next.0)
-            .map(|t| t.with_timezone(&self.tz).format("%Y-%m-%d %H:%M %Z").to_string())
-            .unwrap_or_default()
+        let secs = at.0.div_euclid(1000);
+        let next = self.first_second_of(self.day_of(secs) + 1, secs, secs + 50 * 3600);
+        let off = self.offset(next);
+        let local = chrono::DateTime::from_timestamp(next + off, 0).map(|t| t.naive_utc());
+        let sign = if off < 0 { '-' } else { '+' };
+        let (h, m) = (off.abs() / 3600, off.abs() % 3600 / 60);
+        match local {
+            Some(l) => format!("{} (UTC{sign}{h:02}:{m:02})", l.format("%Y-%m-%d %H:%M")),
+            None => String::new(),
+        }
     }
 
     /// B3: whether `key` may send a request now: the owner's balance above zero, the
@@ -642,7 +676,7 @@ mod tests {
             &|| unreachable!(),
         )
         .unwrap_or_else(|e| panic!("{e}"));
-        Accounts::new(&cfg, Pricing::builtin())
+        Accounts::new(&cfg, Pricing::builtin()).unwrap()
     }
 
     fn at(rfc3339: &str) -> UnixMs {
@@ -682,7 +716,7 @@ mod tests {
         match a.admit(&key, at("2026-12-01T22:59:00Z")) {
             Err(GatewayError::DailyBudget { budget, resets }) => {
                 assert_eq!(budget, 1.0);
-                assert_eq!(resets, "2026-12-02 00:00 CET");
+                assert_eq!(resets, "2026-12-02 00:00 (UTC+01:00)");
             }
             other => panic!("{other:?}"),
         }

@@ -64,6 +64,9 @@ pub enum Error {
     NoDataDir,
     #[error("cannot read or create the admin token in {dir}: {source}")]
     AdminToken { dir: String, source: std::io::Error },
+    /// The budgets' time zone is not in the system's tz database.
+    #[error("{0}")]
+    TimeZone(String),
     /// M1: the config's `pricing:` file is missing or invalid.
     #[error("pricing catalog: {0}")]
     Pricing(String),

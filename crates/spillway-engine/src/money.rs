@@ -129,7 +129,7 @@ pub async fn costs(State(st): State<Arc<AppState>>, Query(q): Query<CostQuery>) 
     unpriced.dedup();
     axum::Json(CostView {
         now,
-        time_zone: st.accounts.time_zone().name().to_owned(),
+        time_zone: st.accounts.time_zone().to_owned(),
         since,
         bucket_ms,
         cells,

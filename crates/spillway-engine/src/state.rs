@@ -225,7 +225,7 @@ impl AppState {
             .iter()
             .map(|c| Arc::new(ChannelRt::with_control(c.clone(), &config.control)))
             .collect();
-        let accounts = crate::accounts::Accounts::new(&config, pricing);
+        let accounts = crate::accounts::Accounts::new(&config, pricing).map_err(Error::TimeZone)?;
         Ok(AppState {
             config,
             channels,

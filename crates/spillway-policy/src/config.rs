@@ -520,10 +520,32 @@ pub struct Owner {
 
 /// Daily budgets: where a day begins, and what each route may spend in one (G1's cost
 /// trigger opens a route's breaker when its last hour cost more than a quarter of it).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Budgets {
-    pub time_zone: chrono_tz::Tz,
+    /// An IANA time zone name (`Europe/Berlin`), `UTC` by default. Checked here for its
+    /// shape; the engine reads it from the system's tz database at start-up (this crate
+    /// does no I/O), and a name the database lacks stops the start with an error.
+    pub time_zone: String,
     pub routes: std::collections::BTreeMap<String, f64>,
+}
+
+impl Default for Budgets {
+    fn default() -> Budgets {
+        Budgets {
+            time_zone: "UTC".into(),
+            routes: Default::default(),
+        }
+    }
+}
+
+/// Whether `name` has the shape of an IANA time zone name (`UTC`, `Europe/Berlin`,
+/// `America/Argentina/Buenos_Aires`, `Etc/GMT+5`): no path tricks.
+pub fn valid_time_zone_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('/')
+        && !name.contains("..")
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"/_+-".contains(&b))
 }
 
 pub(crate) struct Ctx<'a> {
@@ -1257,16 +1279,18 @@ impl RawConfig {
         let mut budgets = Budgets::default();
         if let Some(b) = &self.budgets {
             if let Some(tz) = &b.value.time_zone {
-                match tz.value.trim().parse::<chrono_tz::Tz>() {
-                    Ok(z) => budgets.time_zone = z,
-                    Err(_) => cx.err(
+                let name = tz.value.trim();
+                if valid_time_zone_name(name) {
+                    budgets.time_zone = name.to_owned();
+                } else {
+                    cx.err(
                         tz,
                         "budgets.time_zone",
                         format!(
                             "`{}` is not an IANA time zone (e.g. UTC, Europe/Berlin, America/New_York)",
                             tz.value
                         ),
-                    ),
+                    );
                 }
             }
             if let Some(r) = &b.value.routes {
