@@ -741,19 +741,7 @@ impl LedgerBackend for SqliteBackend {
             .execute(&mut *tx)
             .await?;
         }
-        sqlx::query(
-            "INSERT INTO audit (at, kind, subject, actor, action, trigger, reason, figures) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(audit.at.0)
-        .bind(&audit.kind)
-        .bind(&audit.subject)
-        .bind(&audit.actor)
-        .bind(&audit.action)
-        .bind(&audit.trigger)
-        .bind(&audit.reason)
-        .bind(&audit.figures)
-        .execute(&mut *tx)
-        .await?;
+        insert_audit(&mut tx, audit).await?;
         tx.commit().await?;
         Ok(())
     }

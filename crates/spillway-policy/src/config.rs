@@ -597,23 +597,7 @@ impl Config {
         new_secret: &dyn Fn() -> String,
     ) -> Result<Config> {
         let name = file.display().to_string();
-        let raw: RawConfig = serde_saphyr::from_str(text).map_err(|e| {
-            let (line, column) = e
-                .location()
-                .map(|l| (l.line() as u32, l.column() as u32))
-                .unwrap_or((0, 0));
-            let message = e.without_snippet().to_string();
-            // The library appends its own position; ours leads the line already.
-            let message = message.split(" at line ").next().unwrap_or(&message).trim().to_owned();
-            let field = key_on_line(text, line).unwrap_or_default();
-            ConfigErrors(vec![ConfigError {
-                file: name.clone(),
-                line,
-                column,
-                field,
-                message,
-            }])
-        })?;
+        let raw: RawConfig = serde_saphyr::from_str(text).map_err(|e| yaml_error(&name, text, &e))?;
         let base_dir = file.parent().map(Path::to_path_buf).unwrap_or_default();
         raw.validate(&name, &base_dir, env, new_secret)
     }
@@ -664,9 +648,28 @@ fn valid_host_name(s: &str) -> bool {
     !s.is_empty() && s.len() <= 253 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b))
 }
 
+/// A YAML syntax or type error in `text` (read from `file`), located: the parser knows
+/// the position, the line names the field.
+pub(crate) fn yaml_error(file: &str, text: &str, e: &serde_saphyr::Error) -> ConfigErrors {
+    let (line, column) = e
+        .location()
+        .map(|l| (l.line() as u32, l.column() as u32))
+        .unwrap_or((0, 0));
+    let message = e.without_snippet().to_string();
+    // The library appends its own position; ours leads the line already.
+    let message = message.split(" at line ").next().unwrap_or(&message).trim().to_owned();
+    ConfigErrors(vec![ConfigError {
+        file: file.to_owned(),
+        line,
+        column,
+        field: key_on_line(text, line).unwrap_or_default(),
+        message,
+    }])
+}
+
 /// The YAML key written on `line`, so a type error ("invalid u32") names its field even
 /// though the parser only knows the position.
-pub(crate) fn key_on_line(text: &str, line: u32) -> Option<String> {
+fn key_on_line(text: &str, line: u32) -> Option<String> {
     let l = text.lines().nth((line as usize).checked_sub(1)?)?;
     let l = l.trim_start().trim_start_matches("- ").trim_start();
     let (key, _) = l.split_once(':')?;

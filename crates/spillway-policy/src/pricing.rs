@@ -6,8 +6,8 @@
 //! Costs are computed here from the tokens a provider reported, so that the arithmetic
 //! lives in one pure place, with the breakdown that explains each figure.
 
-use crate::config::{Ctx, key_on_line};
-use crate::error::{ConfigError, ConfigErrors, Result};
+use crate::config::Ctx;
+use crate::error::{ConfigErrors, Result};
 use serde::Deserialize;
 use serde_saphyr::Spanned;
 use sha2::{Digest, Sha256};
@@ -165,21 +165,7 @@ impl Pricing {
 
     /// Parses and validates catalog `text`, read from `file` (named in errors).
     pub fn parse(file: &str, text: &str) -> Result<Pricing> {
-        let raw: RawCatalog = serde_saphyr::from_str(text).map_err(|e| {
-            let (line, column) = e
-                .location()
-                .map(|l| (l.line() as u32, l.column() as u32))
-                .unwrap_or((0, 0));
-            let message = e.without_snippet().to_string();
-            let message = message.split(" at line ").next().unwrap_or(&message).trim().to_owned();
-            ConfigErrors(vec![ConfigError {
-                file: file.to_owned(),
-                line,
-                column,
-                field: key_on_line(text, line).unwrap_or_default(),
-                message,
-            }])
-        })?;
+        let raw: RawCatalog = serde_saphyr::from_str(text).map_err(|e| crate::config::yaml_error(file, text, &e))?;
         let mut cx = Ctx {
             file,
             errors: Vec::new(),
