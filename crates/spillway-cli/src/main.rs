@@ -385,7 +385,7 @@ fn main() -> Result<()> {
                     c.owners.len()
                 );
                 // The budgets' time zone comes from the system's tz database.
-                spillway_engine::accounts::Accounts::new(&c, spillway_policy::Pricing::builtin())
+                spillway_engine::accounts::Accounts::new(&c, None)
                     .map_err(|e| anyhow::anyhow!("{}: {e}", config.display()))?;
                 if let Some(p) = &c.pricing {
                     let pricing = spillway_engine::read_pricing(p)?;

@@ -132,7 +132,9 @@ pub struct Accounts {
     /// Made keys (revoked ones included), for the console.
     made: RwLock<Vec<StoredKey>>,
     routes: Mutex<HashMap<String, RouteSpend>>,
-    pricing: RwLock<Arc<Pricing>>,
+    /// The catalog in force; None until first asked for when it is the built-in one, so
+    /// an idle gateway does not hold it.
+    pricing: RwLock<Option<Arc<Pricing>>>,
     /// The budgets' day: read from the system's tz database (a compiled-in one costs the
     /// idle gateway over 2 MiB of relocated tables for the few hundred zones it never uses).
     tz: tz::TimeZone,
@@ -143,7 +145,8 @@ pub struct Accounts {
 impl Accounts {
     /// The config's keys and owners with fresh figures (no ledger read yet; see
     /// [`Accounts::load`]).
-    pub fn new(config: &Config, pricing: Pricing) -> Result<Accounts, String> {
+    /// `pricing` is the config's catalog; None for the built-in one (read on first use).
+    pub fn new(config: &Config, pricing: Option<Pricing>) -> Result<Accounts, String> {
         let name = config.budgets.time_zone.as_str();
         let tz = if name == "UTC" {
             tz::TimeZone::utc()
@@ -173,7 +176,7 @@ impl Accounts {
             owners: RwLock::new(owners),
             made: RwLock::new(Vec::new()),
             routes: Mutex::new(HashMap::new()),
-            pricing: RwLock::new(Arc::new(pricing)),
+            pricing: RwLock::new(pricing.map(Arc::new)),
             tz,
             tz_name: name.to_owned(),
             route_budgets: config.budgets.routes.clone(),
@@ -244,11 +247,25 @@ impl Accounts {
     }
 
     pub fn pricing(&self) -> Arc<Pricing> {
+        if let Some(p) = self.pricing.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            return p.clone();
+        }
+        let mut w = self.pricing.write().unwrap_or_else(|p| p.into_inner());
+        w.get_or_insert_with(|| {
+            let p = Pricing::builtin();
+            log_stale(&p, UnixMs::from_system(std::time::SystemTime::now()));
+            Arc::new(p)
+        })
+        .clone()
+    }
+
+    /// The catalog, if one has been read (the built-in one is read on first use).
+    pub fn pricing_if_loaded(&self) -> Option<Arc<Pricing>> {
         self.pricing.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     pub fn set_pricing(&self, p: Pricing) {
-        *self.pricing.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(p);
+        *self.pricing.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(p));
     }
 
     pub fn time_zone(&self) -> &str {
@@ -647,6 +664,24 @@ impl Accounts {
     }
 }
 
+/// M1: says which prices are older than 30 days (the console flags them where costs are
+/// shown; the log says it when the catalog is read and once a day).
+pub fn log_stale(p: &Pricing, now: UnixMs) {
+    let stale: Vec<&str> = p
+        .stale(now.0.div_euclid(86_400_000))
+        .map(|m| m.model.as_str())
+        .collect();
+    if !stale.is_empty() {
+        tracing::warn!(
+            catalog = %p.version,
+            origin = %p.origin,
+            "{} prices are older than 30 days (costs still use them): {}",
+            stale.len(),
+            stale.join(", ")
+        );
+    }
+}
+
 fn made_key(k: &StoredKey, secret: KeySecret) -> Key {
     Key {
         name: k.name.clone(),
@@ -676,7 +711,7 @@ mod tests {
             &|| unreachable!(),
         )
         .unwrap_or_else(|e| panic!("{e}"));
-        Accounts::new(&cfg, Pricing::builtin()).unwrap()
+        Accounts::new(&cfg, None).unwrap()
     }
 
     fn at(rfc3339: &str) -> UnixMs {

@@ -197,10 +197,8 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
         Some(l) => l,
         None => Ledger::open_sqlite(&opts.ledger_path).await?,
     };
-    let pricing = match &config.pricing {
-        Some(p) => read_pricing(p)?,
-        None => spillway_policy::Pricing::builtin(),
-    };
+    // The built-in catalog is read when a request first needs it.
+    let pricing = config.pricing.as_deref().map(read_pricing).transpose()?;
     let mut state = AppState::with_pricing(config, ledger, pricing)?;
     state.admin_token = opts.admin_token;
     state.console = opts.console;
@@ -287,21 +285,11 @@ fn pricing_upkeep(st: &Arc<AppState>) {
                 }
             }
             let today = clock::now().0.div_euclid(86_400_000);
-            if today != last_stale_day {
-                // The console flags stale prices where costs are shown; the log says it
-                // once a day.
+            if today != last_stale_day
+                && let Some(p) = st.accounts.pricing_if_loaded()
+            {
                 last_stale_day = today;
-                let p = st.accounts.pricing();
-                let stale: Vec<&str> = p.stale(today).map(|m| m.model.as_str()).collect();
-                if !stale.is_empty() {
-                    tracing::warn!(
-                        catalog = %p.version,
-                        origin = %p.origin,
-                        "{} prices are older than 30 days (costs still use them): {}",
-                        stale.len(),
-                        stale.join(", ")
-                    );
-                }
+                accounts::log_stale(&p, clock::now());
             }
             drop(st);
             tokio::time::sleep(PRICING_POLL).await;

@@ -213,12 +213,12 @@ impl AppState {
     }
 
     pub fn new(config: Config, ledger: Ledger) -> Result<AppState> {
-        Self::with_pricing(config, ledger, spillway_policy::Pricing::builtin())
+        Self::with_pricing(config, ledger, None)
     }
 
     /// The same, with the pricing catalog given (a config's `pricing:` file, read by the
     /// caller).
-    pub fn with_pricing(config: Config, ledger: Ledger, pricing: spillway_policy::Pricing) -> Result<AppState> {
+    pub fn with_pricing(config: Config, ledger: Ledger, pricing: Option<spillway_policy::Pricing>) -> Result<AppState> {
         let client = Self::upstream_client(&config)?;
         let channels = config
             .channels
