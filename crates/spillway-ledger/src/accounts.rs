@@ -69,7 +69,7 @@ pub struct Accounts {
     /// Owners held to a balance: seeded by the config or topped up (pruned charges alone
     /// do not make an owner prepaid).
     pub prepaid: Vec<String>,
-    /// All-time known costs by (owner, key).
+    /// All-time known costs by owner, key and route.
     pub spend: Vec<SpendRow>,
     pub keys: Vec<StoredKey>,
     pub key_spend: Vec<KeySpend>,

@@ -544,6 +544,28 @@ fn hex_to_uuid(s: &str) -> Option<String> {
     ))
 }
 
+/// B3: an operator's spend limit on a key (None lifts it), inside a transaction.
+async fn upsert_spend_limit(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    key_name: &str,
+    limit: Option<f64>,
+    at: UnixMs,
+    by: &str,
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO key_spend (key_name, limit_set, spend_limit_usd, set_at, set_by) VALUES (?, 1, ?, ?, ?) \
+         ON CONFLICT (key_name) DO UPDATE SET limit_set = 1, spend_limit_usd = excluded.spend_limit_usd, \
+         set_at = excluded.set_at, set_by = excluded.set_by",
+    )
+    .bind(key_name)
+    .bind(limit)
+    .bind(at.0)
+    .bind(by)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 /// Appends an audit entry inside a transaction.
 async fn insert_audit(tx: &mut sqlx::Transaction<'_, Sqlite>, audit: &AuditEntry) -> Result<()> {
     sqlx::query(
@@ -1110,23 +1132,8 @@ impl LedgerBackend for SqliteBackend {
             .iter()
             .map(|r| Ok(r.try_get::<String, _>(0)?))
             .collect::<Result<Vec<_>>>()?;
-        let spend = sqlx::query(
-            "SELECT owner, key_name, TOTAL(cost_usd), COUNT(*) FROM requests WHERE cost_usd IS NOT NULL \
-             GROUP BY owner, key_name",
-        )
-        .fetch_all(&self.readers)
-        .await?
-        .iter()
-        .map(|r| {
-            Ok(SpendRow {
-                owner: r.try_get(0)?,
-                key_name: r.try_get(1)?,
-                route: None,
-                cost_usd: r.try_get(2)?,
-                requests: r.try_get::<i64, _>(3)?.max(0) as u64,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+        // Every request ever: the smallest id floor.
+        let spend = self.spend_since(UnixMs(0)).await?;
         let keys = sqlx::query(
             "SELECT name, owner, secret_sha256, hint, rpm, max_concurrency, created_at, created_by, revoked_at, \
              revoked_by FROM api_keys ORDER BY created_at",
@@ -1259,17 +1266,7 @@ impl LedgerBackend for SqliteBackend {
         .execute(&mut *tx)
         .await?;
         if spend_limit.is_some() {
-            sqlx::query(
-                "INSERT INTO key_spend (key_name, limit_set, spend_limit_usd, set_at, set_by) VALUES (?, 1, ?, ?, ?) \
-                 ON CONFLICT (key_name) DO UPDATE SET limit_set = 1, spend_limit_usd = excluded.spend_limit_usd, \
-                 set_at = excluded.set_at, set_by = excluded.set_by",
-            )
-            .bind(&k.name)
-            .bind(spend_limit)
-            .bind(k.created_at.0)
-            .bind(&k.created_by)
-            .execute(&mut *tx)
-            .await?;
+            upsert_spend_limit(&mut tx, &k.name, spend_limit, k.created_at, &k.created_by).await?;
         }
         insert_audit(&mut tx, audit).await?;
         tx.commit().await?;
@@ -1304,17 +1301,7 @@ impl LedgerBackend for SqliteBackend {
     ) -> Result<()> {
         let mut w = self.writable().await?;
         let mut tx = w.0.begin().await?;
-        sqlx::query(
-            "INSERT INTO key_spend (key_name, limit_set, spend_limit_usd, set_at, set_by) VALUES (?, 1, ?, ?, ?) \
-             ON CONFLICT (key_name) DO UPDATE SET limit_set = 1, spend_limit_usd = excluded.spend_limit_usd, \
-             set_at = excluded.set_at, set_by = excluded.set_by",
-        )
-        .bind(key_name)
-        .bind(limit)
-        .bind(at.0)
-        .bind(by)
-        .execute(&mut *tx)
-        .await?;
+        upsert_spend_limit(&mut tx, key_name, limit, at, by).await?;
         insert_audit(&mut tx, audit).await?;
         tx.commit().await?;
         Ok(())
