@@ -10,6 +10,7 @@
 mod accounts;
 mod control;
 mod idem;
+mod jobs;
 mod lock;
 mod record;
 mod sqlite;
@@ -18,6 +19,7 @@ mod writer;
 pub use accounts::{Accounts, BalanceEntry, CostCell, KeySpend, SpendRow, StoredKey};
 pub use control::{AuditEntry, ControlState};
 pub use idem::{KeyedRequest, LedgerFigures, Payload, PruneReport, Reconcile, RouteCount, SideEffect, StoredResponse};
+pub use jobs::{JobRecord, PolicyVersion};
 pub use lock::LedgerLock;
 pub use record::{
     AttemptRecord, Decision, FailureClass, GatewayClass, MAX_MESSAGE, Page, Reconciliation, RequestRecord,
@@ -147,6 +149,23 @@ pub trait LedgerBackend: Send + Sync + 'static {
     /// M3, N1: requests received since `since`, costs summed per `bucket_ms`, owner, key,
     /// route and model.
     async fn cost_report(&self, since: UnixMs, bucket_ms: i64) -> Result<Vec<CostCell>>;
+    /// J2-J7: saves each job's whole row (a job without its body or result keeps the
+    /// stored ones) and appends `audit`, in one durable transaction.
+    async fn save_jobs(&self, jobs: &[JobRecord], audit: &[AuditEntry]) -> Result<()>;
+    /// A job with its body and result.
+    async fn job(&self, id: &str) -> Result<Option<JobRecord>>;
+    /// The newest job submitted by gateway key `key_name` under `idempotency_key`.
+    async fn job_by_key(&self, key_name: &str, idempotency_key: &str) -> Result<Option<JobRecord>>;
+    /// Jobs queued, running, awaiting an owner or in the dead letter (no bodies).
+    async fn open_jobs(&self) -> Result<Vec<JobRecord>>;
+    /// The newest jobs, in any state (no bodies).
+    async fn recent_jobs(&self, limit: u32) -> Result<Vec<JobRecord>>;
+    /// The requests that ran for a job, oldest first (its evidence).
+    async fn job_requests(&self, job_id: &str) -> Result<Vec<RequestRecord>>;
+    /// J8: records a policy version the gateway runs; false when it was known.
+    async fn save_policy_version(&self, v: &PolicyVersion) -> Result<bool>;
+    /// Every recorded version (of `workflow` when given), newest first per workflow.
+    async fn policy_versions(&self, workflow: Option<&str>) -> Result<Vec<PolicyVersion>>;
     /// Housekeeping the writer must not pay for on its commits (WAL checkpoints).
     /// Returns how many pages (WAL frames) it folded back into the database.
     async fn maintain(&self) -> Result<u64>;

@@ -132,10 +132,12 @@ pub enum GatewayClass {
     SpendLimit,
     /// The owner had spent its daily budget (402).
     DailyBudget,
+    /// J7: the lane a job would enter was at its maximum length (429).
+    LaneFull,
 }
 
 impl GatewayClass {
-    pub const ALL: [GatewayClass; 25] = [
+    pub const ALL: [GatewayClass; 26] = [
         GatewayClass::ClientAuth,
         GatewayClass::InvalidBody,
         GatewayClass::UnsupportedMediaType,
@@ -161,6 +163,7 @@ impl GatewayClass {
         GatewayClass::InsufficientBalance,
         GatewayClass::SpendLimit,
         GatewayClass::DailyBudget,
+        GatewayClass::LaneFull,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -190,6 +193,7 @@ impl GatewayClass {
             GatewayClass::InsufficientBalance => "insufficient_balance",
             GatewayClass::SpendLimit => "spend_limit",
             GatewayClass::DailyBudget => "daily_budget",
+            GatewayClass::LaneFull => "lane_full",
         }
     }
 
@@ -380,6 +384,10 @@ pub struct RequestRecord {
     pub failed_cost_usd: Option<f64>,
     /// The pricing catalog's version the costs were computed with.
     pub pricing_version: Option<String>,
+    /// J8: the version (content hash) of the workflow policy the request ran under.
+    pub policy_version: Option<String>,
+    /// J2: the background job this request is a run of.
+    pub job_id: Option<String>,
     pub received_at: UnixMs,
     pub admitted_at: Option<UnixMs>,
     pub first_token_at: Option<UnixMs>,
@@ -495,6 +503,8 @@ impl RequestRecord {
             estimated_cost_usd: None,
             failed_cost_usd: None,
             pricing_version: None,
+            policy_version: None,
+            job_id: None,
             received_at,
             admitted_at: None,
             first_token_at: None,

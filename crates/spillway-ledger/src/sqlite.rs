@@ -10,11 +10,12 @@
 //! WAL restarts while small, so most commits overwrite frames in place and the sync
 //! writes no file-size change.
 
+use crate::jobs::JOB_COLUMNS;
 use crate::{
-    Accounts, AttemptRecord, AuditEntry, BalanceEntry, ControlState, CostCell, Decision, Error, FailureClass, KeySpend,
-    KeyedRequest, LedgerBackend, LedgerFigures, LedgerLock, Page, Payload, PruneReport, Reconcile, Reconciliation,
-    RequestRecord, RequestState, Result, RouteCount, Search, SideEffect, SpendRow, StopReason, StoredKey,
-    StoredResponse,
+    Accounts, AttemptRecord, AuditEntry, BalanceEntry, ControlState, CostCell, Decision, Error, FailureClass,
+    JobRecord, KeySpend, KeyedRequest, LedgerBackend, LedgerFigures, LedgerLock, Page, Payload, PolicyVersion,
+    PruneReport, Reconcile, Reconciliation, RequestRecord, RequestState, Result, RouteCount, Search, SideEffect,
+    SpendRow, StopReason, StoredKey, StoredResponse,
 };
 use async_trait::async_trait;
 use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
@@ -40,7 +41,7 @@ const WAL_SIZE_LIMIT: u64 = WAL_RESTART_BYTES;
 
 /// SQLite allows 32766 bound parameters per statement; a batch row binds one per
 /// column of the view (see the assertion below).
-pub(crate) const ROWS_PER_STATEMENT: usize = 480;
+pub(crate) const ROWS_PER_STATEMENT: usize = 470;
 
 /// The largest batch that keeps its prepared statement. Larger ones come only under heavy
 /// load, where compiling is shared by many rows, and would fill the cache with big
@@ -67,7 +68,7 @@ const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request
     error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
     admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at, \
     idempotency_key, replay_of, response_id, cache_write_tokens, estimated_input_tokens, estimated_cost_usd, \
-    failed_cost_usd, pricing_version";
+    failed_cost_usd, pricing_version, policy_version, job_id";
 
 /// Columns the request path never writes (the side-effect step and reconciliation set
 /// them through their own statements); read with the rest.
@@ -76,7 +77,7 @@ const REQUEST_READ_COLUMNS: &str = "id, trace_id, client_request_id, upstream_re
     error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
     admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at, \
     idempotency_key, replay_of, response_id, cache_write_tokens, estimated_input_tokens, estimated_cost_usd, \
-    failed_cost_usd, pricing_version, result_id, side_effect_at, reconciliation, reconciled_by, reconciled_reason, reconciled_at";
+    failed_cost_usd, pricing_version, policy_version, job_id, result_id, side_effect_at, reconciliation, reconciled_by, reconciled_reason, reconciled_at";
 
 /// Columns fixed when a request is first written. Leaving them out of the upsert's SET
 /// spares SQLite rewriting their index entries (trace id, client id, time) on every
@@ -301,6 +302,8 @@ fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
         estimated_cost_usd: r.try_get("estimated_cost_usd")?,
         failed_cost_usd: r.try_get("failed_cost_usd")?,
         pricing_version: r.try_get("pricing_version")?,
+        policy_version: r.try_get("policy_version")?,
+        job_id: r.try_get("job_id")?,
         received_at: UnixMs(r.try_get("received_at")?),
         admitted_at: ms(r.try_get("admitted_at")?),
         first_token_at: ms(r.try_get("first_token_at")?),
@@ -496,7 +499,9 @@ fn bind_request(b: &mut Separated<'_, Sqlite, &'static str>, r: &RequestRecord) 
         .push_bind(i(r.estimated_input_tokens))
         .push_bind(r.estimated_cost_usd)
         .push_bind(r.failed_cost_usd)
-        .push_bind(r.pricing_version.clone());
+        .push_bind(r.pricing_version.clone())
+        .push_bind(r.policy_version.clone())
+        .push_bind(r.job_id.clone());
 }
 
 fn bind_attempt(b: &mut Separated<'_, Sqlite, &'static str>, a: &AttemptRecord) {
@@ -582,6 +587,132 @@ async fn insert_audit(tx: &mut sqlx::Transaction<'_, Sqlite>, audit: &AuditEntry
     .execute(&mut **tx)
     .await?;
     Ok(())
+}
+
+/// A job's row, inserted or replaced; a save without a body or result keeps the stored one.
+async fn upsert_job(tx: &mut sqlx::Transaction<'_, Sqlite>, j: &JobRecord) -> Result<()> {
+    let request_ids = serde_json::to_string(&j.request_ids).map_err(|e| Error::Corrupt(e.to_string()))?;
+    let n = columns(JOB_COLUMNS).count();
+    let marks = vec!["?"; n].join(", ");
+    let keep = ["body", "result"];
+    let set = columns(JOB_COLUMNS)
+        .filter(|c| *c != "id")
+        .map(|c| {
+            if keep.contains(&c) {
+                format!("{c} = COALESCE(excluded.{c}, jobs.{c})")
+            } else {
+                format!("{c} = excluded.{c}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({marks}) ON CONFLICT (id) DO UPDATE SET {set}"
+    )))
+    .bind(&j.id)
+    .bind(&j.key_name)
+    .bind(&j.owner)
+    .bind(&j.idempotency_key)
+    .bind(&j.workflow)
+    .bind(&j.policy_version)
+    .bind(&j.format)
+    .bind(&j.api)
+    .bind(&j.path)
+    .bind(&j.endpoint)
+    .bind(&j.headers)
+    .bind(j.body.as_deref())
+    .bind(&j.body_sha256)
+    .bind(&j.route)
+    .bind(&j.requested_model)
+    .bind(&j.served_model)
+    .bind(&j.route_override)
+    .bind(&j.priority)
+    .bind(&j.lane)
+    .bind(&j.state)
+    .bind(i64::from(j.attempt))
+    .bind(i64::from(j.max_attempts))
+    .bind(j.created_at.0)
+    .bind(j.ready_at.0)
+    .bind(j.expires_at.0)
+    .bind(j.updated_at.0)
+    .bind(i(j.retry_after_ms))
+    .bind(j.partial_output_committed)
+    .bind(&j.last_error_type)
+    .bind(&j.last_error)
+    .bind(j.last_status.map(i64::from))
+    .bind(j.estimated_cost_usd)
+    .bind(i(j.estimated_input_tokens))
+    .bind(i(j.estimated_output_tokens))
+    .bind(j.cost_usd)
+    .bind(i(j.usage_units))
+    .bind(&j.fallback_policy)
+    .bind(request_ids)
+    .bind(&j.reason)
+    .bind(j.result_status.map(i64::from))
+    .bind(&j.result_content_type)
+    .bind(j.result.as_deref())
+    .bind(&j.review)
+    .bind(&j.replay_of)
+    .bind(&j.replayed_by)
+    .bind(&j.replay)
+    .bind(&j.batch_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+fn job_from_row(r: &SqliteRow, with_blobs: bool) -> Result<JobRecord> {
+    let ids: String = r.try_get("request_ids")?;
+    let blob = |c: &str| -> Result<Option<Vec<u8>>> { if with_blobs { Ok(r.try_get(c)?) } else { Ok(None) } };
+    Ok(JobRecord {
+        id: r.try_get("id")?,
+        key_name: r.try_get("key_name")?,
+        owner: r.try_get("owner")?,
+        idempotency_key: r.try_get("idempotency_key")?,
+        workflow: r.try_get("workflow")?,
+        policy_version: r.try_get("policy_version")?,
+        format: r.try_get("format")?,
+        api: r.try_get("api")?,
+        path: r.try_get("path")?,
+        endpoint: r.try_get("endpoint")?,
+        headers: r.try_get("headers")?,
+        body: blob("body")?,
+        body_sha256: r.try_get("body_sha256")?,
+        route: r.try_get("route")?,
+        requested_model: r.try_get("requested_model")?,
+        served_model: r.try_get("served_model")?,
+        route_override: r.try_get("route_override")?,
+        priority: r.try_get("priority")?,
+        lane: r.try_get("lane")?,
+        state: r.try_get("state")?,
+        attempt: r.try_get::<i64, _>("attempt")?.max(0) as u32,
+        max_attempts: r.try_get::<i64, _>("max_attempts")?.max(0) as u32,
+        created_at: UnixMs(r.try_get("created_at")?),
+        ready_at: UnixMs(r.try_get("ready_at")?),
+        expires_at: UnixMs(r.try_get("expires_at")?),
+        updated_at: UnixMs(r.try_get("updated_at")?),
+        retry_after_ms: u(r.try_get("retry_after_ms")?),
+        partial_output_committed: r.try_get("partial_output_committed")?,
+        last_error_type: r.try_get("last_error_type")?,
+        last_error: r.try_get("last_error")?,
+        last_status: r.try_get::<Option<i64>, _>("last_status")?.map(|v| v as u16),
+        estimated_cost_usd: r.try_get("estimated_cost_usd")?,
+        estimated_input_tokens: u(r.try_get("estimated_input_tokens")?),
+        estimated_output_tokens: u(r.try_get("estimated_output_tokens")?),
+        cost_usd: r.try_get("cost_usd")?,
+        usage_units: u(r.try_get("usage_units")?),
+        fallback_policy: r.try_get("fallback_policy")?,
+        request_ids: serde_json::from_str(&ids).map_err(|e| Error::Corrupt(format!("job request ids: {e}")))?,
+        reason: r.try_get("reason")?,
+        result_status: r.try_get::<Option<i64>, _>("result_status")?.map(|v| v as u16),
+        result_content_type: r.try_get("result_content_type")?,
+        result: blob("result")?,
+        review: r.try_get("review")?,
+        replay_of: r.try_get("replay_of")?,
+        replayed_by: r.try_get("replayed_by")?,
+        replay: r.try_get("replay")?,
+        batch_id: r.try_get("batch_id")?,
+    })
 }
 
 /// SQLite's default page size, which the ledger keeps.
@@ -1368,6 +1499,107 @@ impl LedgerBackend for SqliteBackend {
             })
         })
         .collect()
+    }
+
+    async fn save_jobs(&self, jobs: &[JobRecord], audit: &[AuditEntry]) -> Result<()> {
+        let mut w = self.writable().await?;
+        let mut tx = w.0.begin().await?;
+        for j in jobs {
+            upsert_job(&mut tx, j).await?;
+        }
+        for a in audit {
+            insert_audit(&mut tx, a).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn job(&self, id: &str) -> Result<Option<JobRecord>> {
+        let row = sqlx::query(AssertSqlSafe(format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?")))
+            .bind(id)
+            .fetch_optional(&self.readers)
+            .await?;
+        row.as_ref().map(|r| job_from_row(r, true)).transpose()
+    }
+
+    async fn job_by_key(&self, key_name: &str, idempotency_key: &str) -> Result<Option<JobRecord>> {
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE key_name = ? AND idempotency_key = ? \
+             ORDER BY created_at DESC, rowid DESC LIMIT 1"
+        )))
+        .bind(key_name)
+        .bind(idempotency_key)
+        .fetch_optional(&self.readers)
+        .await?;
+        row.as_ref().map(|r| job_from_row(r, false)).transpose()
+    }
+
+    async fn open_jobs(&self) -> Result<Vec<JobRecord>> {
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {JOB_COLUMNS} FROM jobs WHERE state IN ('queued', 'running', 'owner_review', 'dead_letter') \
+             ORDER BY created_at"
+        )))
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter().map(|r| job_from_row(r, false)).collect()
+    }
+
+    async fn recent_jobs(&self, limit: u32) -> Result<Vec<JobRecord>> {
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {JOB_COLUMNS} FROM jobs ORDER BY created_at DESC, rowid DESC LIMIT ?"
+        )))
+        .bind(i64::from(limit.min(1000)))
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter().map(|r| job_from_row(r, false)).collect()
+    }
+
+    async fn job_requests(&self, job_id: &str) -> Result<Vec<RequestRecord>> {
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {REQUEST_READ_COLUMNS} FROM requests WHERE job_id = ? ORDER BY received_at, id"
+        )))
+        .bind(job_id)
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter().map(request_from_row).collect()
+    }
+
+    async fn save_policy_version(&self, v: &PolicyVersion) -> Result<bool> {
+        let mut w = self.writable().await?;
+        let n = sqlx::query(
+            "INSERT INTO policy_versions (workflow, version, source, text, loaded_at) VALUES (?, ?, ?, ?, ?) \
+             ON CONFLICT (workflow, version) DO NOTHING",
+        )
+        .bind(&v.workflow)
+        .bind(&v.version)
+        .bind(&v.source)
+        .bind(&v.text)
+        .bind(v.loaded_at.0)
+        .execute(&mut w.0)
+        .await?
+        .rows_affected();
+        Ok(n > 0)
+    }
+
+    async fn policy_versions(&self, workflow: Option<&str>) -> Result<Vec<PolicyVersion>> {
+        let rows = sqlx::query(
+            "SELECT workflow, version, source, text, loaded_at FROM policy_versions \
+             WHERE (?1 IS NULL OR workflow = ?1) ORDER BY workflow, loaded_at DESC, version",
+        )
+        .bind(workflow)
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(PolicyVersion {
+                    workflow: r.try_get("workflow")?,
+                    version: r.try_get("version")?,
+                    source: r.try_get("source")?,
+                    text: r.try_get("text")?,
+                    loaded_at: UnixMs(r.try_get("loaded_at")?),
+                })
+            })
+            .collect()
     }
 
     async fn maintain(&self) -> Result<u64> {

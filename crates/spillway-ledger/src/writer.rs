@@ -1477,6 +1477,30 @@ mod tests {
         async fn maintain(&self) -> Result<u64> {
             self.inner.maintain().await
         }
+        async fn save_jobs(&self, j: &[crate::JobRecord], a: &[crate::AuditEntry]) -> Result<()> {
+            self.inner.save_jobs(j, a).await
+        }
+        async fn job(&self, id: &str) -> Result<Option<crate::JobRecord>> {
+            self.inner.job(id).await
+        }
+        async fn job_by_key(&self, k: &str, i: &str) -> Result<Option<crate::JobRecord>> {
+            self.inner.job_by_key(k, i).await
+        }
+        async fn open_jobs(&self) -> Result<Vec<crate::JobRecord>> {
+            self.inner.open_jobs().await
+        }
+        async fn recent_jobs(&self, limit: u32) -> Result<Vec<crate::JobRecord>> {
+            self.inner.recent_jobs(limit).await
+        }
+        async fn job_requests(&self, id: &str) -> Result<Vec<RequestRecord>> {
+            self.inner.job_requests(id).await
+        }
+        async fn save_policy_version(&self, v: &crate::PolicyVersion) -> Result<bool> {
+            self.inner.save_policy_version(v).await
+        }
+        async fn policy_versions(&self, w: Option<&str>) -> Result<Vec<crate::PolicyVersion>> {
+            self.inner.policy_versions(w).await
+        }
     }
 
     async fn faulty(dir: &Path, slow: Option<Duration>, depth: usize) -> (Ledger, Arc<Faulty>) {
