@@ -28,7 +28,7 @@ pub const DEFAULT_CAPACITY_QUEUE_MAX: u32 = 1024;
 type S<T> = Spanned<T>;
 
 /// Numbers `Ctx::bounded` can check: it words a `1..=MAX` range as "greater than 0".
-trait Bounded {
+pub(crate) trait Bounded {
     const ONE: Self;
     const MAX: Self;
 }
@@ -95,6 +95,9 @@ struct RawConfig {
     /// Daily budgets: the day's time zone and per-route amounts.
     #[serde(default)]
     budgets: Option<S<RawBudgets>>,
+    /// J8: a directory of workflow policies (`*.yaml`); without it the shipped ones.
+    #[serde(default)]
+    workflows: Option<S<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -200,6 +203,10 @@ struct RawChannel {
     /// stand-in for a provider without a key).
     #[serde(default)]
     unless_env: Option<S<String>>,
+    /// K1: where the channel's provider processes data (`us`, `eu`, ...), for workflows
+    /// with a data boundary.
+    #[serde(default)]
+    region: Option<S<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -223,6 +230,9 @@ struct RawKey {
     max_concurrency: Option<S<u32>>,
     #[serde(default)]
     spend_limit_usd: Option<S<f64>>,
+    /// J8: the workflow of the key's requests that name none.
+    #[serde(default)]
+    workflow: Option<S<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -277,6 +287,8 @@ pub struct Config {
     /// M1: the pricing catalog's path, when the config replaces the built-in one.
     pub pricing: Option<PathBuf>,
     pub budgets: Budgets,
+    /// J8: the workflow policy directory, when the config names one.
+    pub workflows: Option<PathBuf>,
 }
 
 /// I2, I6: idempotency keys and the response copies kept for their repeats.
@@ -457,6 +469,8 @@ pub struct Channel {
     /// The simulated channel this one stands for (`base_url: sim://<name>`), until the
     /// launcher starts the simulator and puts its address into `base_url`.
     pub simulated: Option<String>,
+    /// K1: the data region the channel's provider processes in, when the config says.
+    pub region: Option<String>,
 }
 
 impl std::fmt::Debug for Channel {
@@ -505,6 +519,9 @@ pub struct Key {
     pub rpm_counts_token_counting: bool,
     pub max_concurrency: Option<u32>,
     pub spend_limit_usd: Option<f64>,
+    /// J8: the workflow of the key's requests that name none (checked by the engine
+    /// against the policies it loads).
+    pub workflow: Option<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -567,7 +584,13 @@ impl Ctx<'_> {
     /// An optional number that must lie in `range`; the default when absent. Out of range
     /// is an error naming the field (the default only stands in so validation can go on
     /// and report every error at once).
-    fn bounded<T>(&mut self, v: &Option<Spanned<T>>, field: &str, range: std::ops::RangeInclusive<T>, default: T) -> T
+    pub(crate) fn bounded<T>(
+        &mut self,
+        v: &Option<Spanned<T>>,
+        field: &str,
+        range: std::ops::RangeInclusive<T>,
+        default: T,
+    ) -> T
     where
         T: Copy + PartialOrd + std::fmt::Display + Bounded,
     {
@@ -1060,6 +1083,16 @@ impl RawConfig {
             {
                 cx.err(t, f("timeout_ms"), "must be greater than 0");
             }
+            if let Some(r) = &c.region {
+                let v = r.value.trim();
+                if v.is_empty() || v.len() > 32 || !v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+                    cx.err(
+                        r,
+                        f("region"),
+                        "a region name: 1-32 letters, digits or '-' (e.g. us, eu, asia-northeast1)",
+                    );
+                }
+            }
             if enabled {
                 channels.push(Channel {
                     name: c.name.value.clone(),
@@ -1072,6 +1105,7 @@ impl RawConfig {
                     priority: c.priority.as_ref().map_or(0, |p| p.value),
                     timeout_ms: c.timeout_ms.as_ref().map(|t| t.value),
                     simulated,
+                    region: c.region.as_ref().map(|r| r.value.trim().to_ascii_lowercase()),
                 });
             }
         }
@@ -1185,6 +1219,7 @@ impl RawConfig {
                     rpm_counts_token_counting: k.rpm_counts_token_counting.as_ref().is_some_and(|v| v.value),
                     max_concurrency: k.max_concurrency.as_ref().map(|v| v.value),
                     spend_limit_usd: k.spend_limit_usd.as_ref().map(|v| v.value),
+                    workflow: k.workflow.as_ref().map(|w| w.value.trim().to_owned()),
                 });
             }
         }
@@ -1279,6 +1314,16 @@ impl RawConfig {
             }
             base_dir.join(p.value.trim())
         });
+        let workflows = self.workflows.as_ref().map(|p| {
+            if p.value.trim().is_empty() {
+                cx.err(
+                    p,
+                    "workflows",
+                    "must be the path of a directory of workflow policies (see policies/workflows)",
+                );
+            }
+            base_dir.join(p.value.trim())
+        });
         let mut budgets = Budgets::default();
         if let Some(b) = &self.budgets {
             if let Some(tz) = &b.value.time_zone {
@@ -1324,6 +1369,7 @@ impl RawConfig {
             store_prompts,
             pricing,
             budgets,
+            workflows,
             control,
             metrics_token,
             alert_webhook_url,

@@ -7,6 +7,7 @@ mod config;
 mod error;
 pub mod pricing;
 pub mod sim;
+pub mod workflow;
 
 pub use config::{
     Budgets, Channel, Config, ControlSettings, DEFAULT_ATTEMPT_TIMEOUT_MS, DEFAULT_CAPACITY_QUEUE_MAX, DEFAULT_LISTEN,
@@ -16,3 +17,4 @@ pub use config::{
 };
 pub use error::{ConfigError, ConfigErrors, Result};
 pub use pricing::{Cost, ModelPrice, Pricing};
+pub use workflow::{Priority, Workflow};
