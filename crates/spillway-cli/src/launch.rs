@@ -62,12 +62,18 @@ pub fn load(path: Option<&Path>) -> Result<Config, LaunchError> {
             })?;
             Ok(Config::parse(p, &text, &env, &new_demo_secret)?)
         }
-        None => Ok(Config::parse(
-            Path::new("<embedded default: policies/demo.yaml>"),
-            EMBEDDED_DEFAULT,
-            &env,
-            &new_demo_secret,
-        )?),
+        None => {
+            let mut c = Config::parse(
+                Path::new("<embedded default: policies/demo.yaml>"),
+                EMBEDDED_DEFAULT,
+                &env,
+                &new_demo_secret,
+            )?;
+            // Its policy directory sits beside the file in a source tree; an installed
+            // binary runs the same policies built in (read-only).
+            c.workflows = None;
+            Ok(c)
+        }
     }
 }
 

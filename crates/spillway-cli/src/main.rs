@@ -387,6 +387,31 @@ fn main() -> Result<()> {
                 // The budgets' time zone comes from the system's tz database.
                 spillway_engine::accounts::Accounts::new(&c, None)
                     .map_err(|e| anyhow::anyhow!("{}: {e}", config.display()))?;
+                let workflows = spillway_engine::workflows::Workflows::load(c.workflows.as_deref())
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                let all = workflows.all();
+                println!(
+                    "{}: ok ({} workflow policies: {})",
+                    c.workflows
+                        .as_ref()
+                        .map_or("built-in workflow policies".to_owned(), |d| d.display().to_string()),
+                    all.len(),
+                    all.iter()
+                        .map(|w| format!("{}@{}", w.name, w.version))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                for k in &c.keys {
+                    if let Some(w) = &k.workflow
+                        && workflows.get(w).is_none()
+                    {
+                        anyhow::bail!(
+                            "{}: key `{}`: workflow `{w}` is not a workflow policy in force",
+                            config.display(),
+                            k.name
+                        );
+                    }
+                }
                 if let Some(p) = &c.pricing {
                     let pricing = spillway_engine::read_pricing(p)?;
                     println!(

@@ -237,7 +237,7 @@ impl Accounts {
     }
 
     /// Every key, by name.
-    fn key_by_name(&self, name: &str) -> Option<Arc<KeyRt>> {
+    pub(crate) fn key_by_name(&self, name: &str) -> Option<Arc<KeyRt>> {
         self.keys
             .read()
             .unwrap_or_else(|p| p.into_inner())
@@ -691,6 +691,7 @@ fn made_key(k: &StoredKey, secret: KeySecret) -> Key {
         rpm_counts_token_counting: false,
         max_concurrency: k.max_concurrency,
         spend_limit_usd: None,
+        workflow: None,
     }
 }
 

@@ -117,6 +117,8 @@ pub struct Overview {
     pub ledger: LedgerHealth,
     /// Unknown outcomes and duplicates per route, and the ledger's size (N1, I6).
     pub ledger_figures: Option<LedgerFigures>,
+    /// J1, J7: lane depths per route and per workflow.
+    pub lanes: crate::inbox::LanesView,
 }
 
 /// One live update: the newest second and the current tables.
@@ -131,6 +133,7 @@ pub struct Tick {
     pub rejections: Vec<Rejection>,
     pub ledger: LedgerHealth,
     pub ledger_figures: Option<LedgerFigures>,
+    pub lanes: crate::inbox::LanesView,
 }
 
 /// A request with every attempt.
@@ -182,6 +185,7 @@ fn overview(st: &AppState) -> Overview {
         rejections: st.metrics.rejections(),
         ledger: st.ledger.health(),
         ledger_figures: figures(st),
+        lanes: crate::inbox::lanes_view(st),
     }
 }
 
@@ -211,6 +215,7 @@ fn tick(st: &AppState) -> Tick {
         rejections: st.metrics.rejections(),
         ledger: st.ledger.health(),
         ledger_figures: figures(st),
+        lanes: crate::inbox::lanes_view(st),
     }
 }
 
@@ -757,6 +762,7 @@ pub fn router(st: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/admin/v1/keys/{name}/revoke", post(crate::money::revoke_key))
         .route("/admin/v1/keys/{name}/spend-limit", post(crate::money::set_spend_limit))
         .route("/admin/v1/owners/{owner}/top-up", post(crate::money::top_up))
+        .merge(crate::inbox::router())
         .route_layer(middleware::from_fn_with_state(st, require_token))
 }
 

@@ -156,6 +156,33 @@ pub enum GatewayError {
         original: String,
         result_id: Option<String>,
     },
+    /// J2: no job with that id was submitted with this key.
+    #[error("No background job with that id was submitted with this API key.")]
+    NoSuchJob,
+    /// J2: the job has no result (yet).
+    #[error("Job {id} has no result: it is `{state}`. Its status is at /spillway/v1/jobs/{id}.")]
+    JobNotDone { id: String, state: String },
+    /// J8: `x-spillway-workflow` names no workflow policy in force.
+    #[error("`x-spillway-workflow`: no workflow policy is called `{}`; the gateway runs {known}.", shown(.name))]
+    UnknownWorkflow { name: String, known: String },
+    /// J2: the workflow's policy only takes background jobs that carry an
+    /// `Idempotency-Key` (`require_idempotency_key`).
+    #[error(
+        "`Idempotency-Key`: the workflow `{workflow}` requires one on every background job (`Prefer: respond-async`), so that a job is never run twice."
+    )]
+    JobNeedsIdempotencyKey { workflow: String },
+    /// J7: the lane the job would enter is full.
+    #[error(
+        "The `{lane}` lane of workflow `{workflow}` is full ({length} of {max}); the job was not accepted. {advice}"
+    )]
+    LaneFull {
+        lane: &'static str,
+        workflow: String,
+        length: usize,
+        max: u32,
+        advice: &'static str,
+        retry_after_s: u64,
+    },
     /// The upstream failed; `kind` is what the client should see. `futile` says that a
     /// client retry cannot help either (an unknown signal held for a person, E2), so the
     /// answer carries `x-should-retry: false` even though its status is retryable.
@@ -176,9 +203,11 @@ impl GatewayError {
             GatewayError::UnsupportedMediaType => ErrorKind::UnsupportedMediaType,
             GatewayError::PayloadTooLarge { .. } => ErrorKind::PayloadTooLarge,
             GatewayError::BodyTimeout { .. } => ErrorKind::RequestTimeout,
-            GatewayError::InvalidRequest(_) | GatewayError::BodyRead | GatewayError::InvalidIdempotencyKey => {
-                ErrorKind::InvalidRequest
-            }
+            GatewayError::InvalidRequest(_)
+            | GatewayError::BodyRead
+            | GatewayError::InvalidIdempotencyKey
+            | GatewayError::UnknownWorkflow { .. }
+            | GatewayError::JobNeedsIdempotencyKey { .. } => ErrorKind::InvalidRequest,
             GatewayError::IdempotencyKeyReused { .. } => ErrorKind::Unprocessable,
             GatewayError::IdempotencyInProgress { .. }
             | GatewayError::IdempotencyUnknown { .. }
@@ -186,14 +215,17 @@ impl GatewayError {
             GatewayError::NoChannel { .. }
             | GatewayError::NotFound { .. }
             | GatewayError::UnknownResponse
+            | GatewayError::NoSuchJob
             | GatewayError::UnknownModel { .. } => ErrorKind::NotFound,
+            GatewayError::JobNotDone { .. } => ErrorKind::Conflict,
             GatewayError::MethodNotAllowed => ErrorKind::MethodNotAllowed,
             GatewayError::InsufficientBalance | GatewayError::SpendLimit | GatewayError::DailyBudget { .. } => {
                 ErrorKind::InsufficientQuota
             }
             GatewayError::CapacityBusy { .. }
             | GatewayError::CapacityQueueFull { .. }
-            | GatewayError::KeyLimited { .. } => ErrorKind::RateLimited,
+            | GatewayError::KeyLimited { .. }
+            | GatewayError::LaneFull { .. } => ErrorKind::RateLimited,
             GatewayError::NoChannelInRotation { .. } => ErrorKind::Upstream,
             GatewayError::BreakerOpen { .. } | GatewayError::ChannelsCoolingDown { .. } => ErrorKind::Unavailable,
             GatewayError::LedgerUnavailable | GatewayError::ShuttingDown | GatewayError::Interrupted => {
@@ -216,9 +248,12 @@ impl GatewayError {
             GatewayError::UnsupportedMediaType => GatewayClass::UnsupportedMediaType,
             GatewayError::PayloadTooLarge { .. } => GatewayClass::PayloadTooLarge,
             GatewayError::BodyTimeout { .. } => GatewayClass::BodyTimeout,
-            GatewayError::InvalidRequest(_) | GatewayError::BodyRead | GatewayError::InvalidIdempotencyKey => {
-                GatewayClass::InvalidBody
-            }
+            GatewayError::InvalidRequest(_)
+            | GatewayError::BodyRead
+            | GatewayError::InvalidIdempotencyKey
+            | GatewayError::UnknownWorkflow { .. }
+            | GatewayError::JobNeedsIdempotencyKey { .. } => GatewayClass::InvalidBody,
+            GatewayError::LaneFull { .. } => GatewayClass::LaneFull,
             GatewayError::IdempotencyKeyReused { .. } => GatewayClass::IdempotencyKeyReused,
             GatewayError::IdempotencyInProgress { .. } => GatewayClass::IdempotencyInProgress,
             GatewayError::IdempotencyUnknown { .. } => GatewayClass::IdempotencyUnknown,
@@ -227,6 +262,8 @@ impl GatewayError {
             | GatewayError::NotFound { .. }
             | GatewayError::UnknownResponse
             | GatewayError::UnknownModel { .. }
+            | GatewayError::NoSuchJob
+            | GatewayError::JobNotDone { .. }
             | GatewayError::MethodNotAllowed => GatewayClass::NoChannel,
             GatewayError::CapacityBusy { .. } => GatewayClass::CapacityBusy,
             GatewayError::CapacityQueueFull { .. } => GatewayClass::CapacityQueueFull,
@@ -251,7 +288,9 @@ impl GatewayError {
             GatewayError::InvalidRequest(e) => e.field.as_deref(),
             GatewayError::NoChannel { .. } => Some("model"),
             GatewayError::UnsupportedMediaType => Some("content-type"),
+            GatewayError::UnknownWorkflow { .. } => Some("x-spillway-workflow"),
             GatewayError::InvalidIdempotencyKey
+            | GatewayError::JobNeedsIdempotencyKey { .. }
             | GatewayError::IdempotencyKeyReused { .. }
             | GatewayError::IdempotencyInProgress { .. }
             | GatewayError::IdempotencyUnknown { .. }
@@ -266,6 +305,7 @@ impl GatewayError {
             GatewayError::CapacityBusy { retry_after_s }
             | GatewayError::CapacityQueueFull { retry_after_s }
             | GatewayError::KeyLimited { retry_after_s }
+            | GatewayError::LaneFull { retry_after_s, .. }
             | GatewayError::BreakerOpen { retry_after_s, .. }
             | GatewayError::ChannelsCoolingDown { retry_after_s, .. } => Some(*retry_after_s),
             GatewayError::Upstream {

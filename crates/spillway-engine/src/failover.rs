@@ -53,6 +53,9 @@ pub struct Ctx {
     /// M2: the gateway asked for the stream's usage (the client did not): the usage-only
     /// chunk is taken out of what the client sees.
     pub strip_usage: bool,
+    /// F3, J8: upstream attempts this request may make (its workflow's, the config's, or
+    /// one for a job's run).
+    pub max_attempts: u32,
 }
 
 /// What one upstream call brought back.
@@ -146,7 +149,7 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
     if let Err(e) = life.calling_api(&first.channel.cfg.name, first.waited).await {
         return End::refused(e);
     }
-    let max_attempts = st.config.max_attempts;
+    let max_attempts = ctx.max_attempts;
     let max_hint = st.config.upstream.max_wait_hint_ms;
     let mut admitted = first;
     let mut tried: Vec<String> = Vec::new();

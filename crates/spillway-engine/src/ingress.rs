@@ -116,6 +116,8 @@ pub fn router_with<C: Caller>(state: Arc<AppState>, caller: Arc<C>) -> Router {
             post(crate::idempotency::side_effect_endpoint),
         )
         .route("/spillway/v1/requests/{id}", get(crate::idempotency::status_endpoint))
+        .route("/spillway/v1/jobs/{id}", get(crate::jobs::status_endpoint))
+        .route("/spillway/v1/jobs/{id}/result", get(crate::jobs::result_endpoint))
         .route("/healthz", get(|| async { "ok" }))
         .route("/metrics", get(metrics_endpoint))
         .merge(crate::admin::router(state.clone()))
@@ -360,9 +362,15 @@ async fn handle<C: Caller>(
     if st.shutdown.draining.is_cancelled() {
         return GatewayError::ShuttingDown.into_response(format);
     }
-    let key = match authenticate(&st, format, &parts.headers, &parts.uri) {
-        Ok(k) => k,
-        Err(e) => return refuse_without_row(&st, format, conn.as_ref(), e),
+    // J2: a run of a background job runs as its job's key (known by name; no secret is
+    // kept), set by the runner in the request's extensions, which no client can reach.
+    let job_run = parts.extensions.get::<crate::jobs::JobRun>().cloned();
+    let key = match &job_run {
+        Some(j) => j.key.clone(),
+        None => match authenticate(&st, format, &parts.headers, &parts.uri) {
+            Ok(k) => k,
+            Err(e) => return refuse_without_row(&st, format, conn.as_ref(), e),
+        },
     };
     // A ledger that refuses writes: 503 before anything else, counted, not recorded (its
     // spool is for the requests that were already running).
@@ -387,7 +395,20 @@ async fn handle<C: Caller>(
     rec.stream = path_stream;
     rec.key_name = Some(key.key.name.clone());
     rec.owner = Some(key.key.owner.clone());
+    // J8: the request's workflow: named, else its key's default, else `default`.
+    let workflow = st.workflows.select(
+        header_str(&parts.headers, crate::workflows::HEADER),
+        key.key.workflow.as_deref(),
+    );
+    if let Ok(w) = &workflow {
+        rec.workflow = Some(w.name.clone());
+        rec.policy_version = Some(w.version.clone());
+    }
+    rec.job_id = job_run.as_ref().map(|j| j.job_id.clone());
     let mut life = Life::new(st.clone(), rec, conn);
+    if let Some(j) = &job_run {
+        life.set_job_sink(j.sink.clone());
+    }
     life.api = api;
     life.set_trace(&trace);
     // B3: an owner without balance, a key past its spend limit: refused before anything
@@ -396,6 +417,15 @@ async fn handle<C: Caller>(
         return life.close(End::refused(e)).await;
     }
     life.set_key(key.clone());
+    let workflow = match workflow {
+        Ok(w) => w,
+        Err(e) => return life.close(End::refused(e)).await,
+    };
+    // J2: `Prefer: respond-async` asks for a job (a job's own runs never do).
+    let async_job = job_run.is_none() && crate::jobs::prefers_async(&parts.headers);
+    // J8: a named workflow's interactive lane sets the attempts and the capacity wait; the
+    // built-in default leaves the config's.
+    let own_lane = !(workflow.name == "default" && workflow.source == "built-in");
 
     // Cheap refusals first: nothing of the body has been read yet.
     if !is_json(&parts.headers) {
@@ -414,17 +444,22 @@ async fn handle<C: Caller>(
     }
     // From here the request may wait (key room, capacity); a client that hangs up while
     // it waits leaves with nothing sent upstream (C4), and its record says so.
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(st.config.total_deadline_ms);
+    let total = job_run
+        .as_ref()
+        .map_or(Duration::from_millis(st.config.total_deadline_ms), |j| j.deadline);
+    let deadline = tokio::time::Instant::now() + total;
     // Token counting is free at the providers: it takes from the key's rate only when
-    // the key says so.
+    // the key says so. A job submission takes nothing: its runs do, as they go.
     let rated = api != Api::CountTokens || key.key.rpm_counts_token_counting;
-    match key.limits.acquire(KEY_WAIT, rated).await {
-        Ok(slot) => life.hold_key(slot),
-        Err(over) => {
-            let e = GatewayError::KeyLimited {
-                retry_after_s: over.retry_after_s,
-            };
-            return life.close(End::refused(e)).await;
+    if !async_job {
+        match key.limits.acquire(KEY_WAIT, rated).await {
+            Ok(slot) => life.hold_key(slot),
+            Err(over) => {
+                let e = GatewayError::KeyLimited {
+                    retry_after_s: over.retry_after_s,
+                };
+                return life.close(End::refused(e)).await;
+            }
         }
     }
 
@@ -456,6 +491,20 @@ async fn handle<C: Caller>(
     life.estimate(&parsed);
     if st.config.store_prompts {
         life.keep_prompt(bytes.clone());
+    }
+    if async_job {
+        let sub = crate::jobs::Submission {
+            key: key.clone(),
+            workflow,
+            format,
+            api,
+            path_and_query: crate::jobs::stored_path(&parts.uri),
+            headers: &parts.headers,
+            body: bytes,
+            model: parsed.model.clone(),
+            idempotency_key,
+        };
+        return crate::jobs::submit(&st, life, sub).await;
     }
     // I2: a repeat of an `Idempotency-Key` is answered from the ledger and sends nothing
     // upstream; a new key is claimed by this request.
@@ -520,8 +569,20 @@ async fn handle<C: Caller>(
     };
     life.set_control(route.clone());
     let tokens = parsed.estimated_input_tokens + parsed.max_output_tokens.unwrap_or(0);
-    let capacity_wait = Duration::from_millis(st.config.capacity_wait_ms)
-        .min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+    let mut capacity_wait = Duration::from_millis(st.config.capacity_wait_ms);
+    if own_lane {
+        capacity_wait = capacity_wait.min(Duration::from_millis(workflow.interactive.max_wait_ms));
+    }
+    let capacity_wait = capacity_wait.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
+    // F3: a job's run is one upstream attempt (the job counts and paces its attempts); an
+    // interactive request gets its workflow's attempts, or the config's.
+    let max_attempts = if job_run.is_some() {
+        1
+    } else if own_lane {
+        workflow.interactive.max_attempts
+    } else {
+        st.config.max_attempts
+    };
     let admitted = match routing::admit(&candidates, tokens, &[], capacity_wait, life.wait_guard()).await {
         Ok(a) => {
             route.on_wait(&st, a.waited.unwrap_or_default());
@@ -594,6 +655,7 @@ async fn handle<C: Caller>(
         route,
         probe,
         conversation,
+        max_attempts,
     };
     // Dropped when the client hangs up (or when the answer is sent, when it no longer matters).
     let _hang_up = HangUp(client_gone);

@@ -14,13 +14,16 @@ pub mod accounts;
 pub mod admin;
 pub mod clock;
 pub mod console;
+pub mod contract;
 pub mod control;
 pub mod error;
 pub mod failover;
 pub mod followup;
 pub mod health;
 pub mod idempotency;
+pub mod inbox;
 pub mod ingress;
+pub mod jobs;
 pub mod life;
 pub mod limits;
 pub mod metrics;
@@ -35,6 +38,7 @@ pub mod state;
 pub mod stream;
 pub mod trace;
 pub mod upstream;
+pub mod workflows;
 
 #[cfg(test)]
 mod tests;
@@ -70,6 +74,8 @@ pub enum Error {
     /// M1: the config's `pricing:` file is missing or invalid.
     #[error("pricing catalog: {0}")]
     Pricing(String),
+    #[error("workflow policies: {0}")]
+    Workflows(String),
 }
 
 /// Reads and validates the pricing catalog at `path` (M1).
@@ -218,7 +224,9 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
     watch_ledger(&state);
     ledger_upkeep(&state);
     control::tick(&state);
+    workflows::upkeep(&state);
     let app = ingress::router_with(state.clone(), caller);
+    jobs::start(&state, app.clone());
     let (done_tx, server_done) = watch::channel(false);
     let st = state.clone();
     tokio::spawn(async move {

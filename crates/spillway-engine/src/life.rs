@@ -130,6 +130,10 @@ pub struct Life {
     pricing: Option<Arc<spillway_policy::Pricing>>,
     /// M3: what the failed attempts so far cost (those that consumed tokens).
     failed_cost: f64,
+    /// M3: the output tokens the estimate assumed.
+    estimated_output: Option<u64>,
+    /// J2: where a job's run hands its final record back.
+    job_sink: Option<Arc<std::sync::Mutex<Option<RequestRecord>>>>,
 }
 
 impl Life {
@@ -154,7 +158,25 @@ impl Life {
             key: None,
             pricing: None,
             failed_cost: 0.0,
+            estimated_output: None,
+            job_sink: None,
         }
+    }
+
+    /// J2: the request became a background job (its own durable record): it ends here
+    /// without a request row of its own, its slots given back.
+    pub fn hand_over(mut self) {
+        self.release();
+    }
+
+    /// J2: the request is a run of a job: its final record is handed back to the runner.
+    pub fn set_job_sink(&mut self, sink: Arc<std::sync::Mutex<Option<RequestRecord>>>) {
+        self.job_sink = Some(sink);
+    }
+
+    /// M3: the output the estimate assumed (the client's cap, or the assumed output).
+    pub fn estimated_output_tokens(&self) -> Option<u64> {
+        self.estimated_output
     }
 
     /// B4: the key whose owner the request's cost is charged to when it closes.
@@ -176,6 +198,7 @@ impl Life {
                 .max_output_tokens
                 .unwrap_or(crate::accounts::ASSUMED_OUTPUT_TOKENS),
         };
+        self.estimated_output = Some(output);
         if let Some(p) = pricing.price(&parsed.model) {
             let t = spillway_wire::usage::Billable {
                 input,
@@ -819,6 +842,9 @@ impl Life {
         self.st
             .metrics
             .finished(&self.rec, self.route.as_ref(), self.admitted, at);
+        if let Some(s) = &self.job_sink {
+            *s.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.rec.clone());
+        }
     }
 
     fn release(&mut self) {

@@ -93,6 +93,7 @@ mod tests {
             rpm_counts_token_counting: false,
             max_concurrency,
             spend_limit_usd: None,
+            workflow: None,
         }
     }
 

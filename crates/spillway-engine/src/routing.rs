@@ -250,6 +250,7 @@ mod tests {
             priority: 0,
             timeout_ms: None,
             simulated: None,
+            region: None,
         }))
     }
 

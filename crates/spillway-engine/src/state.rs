@@ -158,6 +158,10 @@ pub struct AppState {
     /// The ledger's own figures (unknowns, duplicates, size), refreshed in the background:
     /// the console reads them every second, the queries behind them are not that cheap.
     pub ledger_figures: std::sync::RwLock<Option<spillway_ledger::LedgerFigures>>,
+    /// J8: the workflow policies in force.
+    pub workflows: crate::workflows::Workflows,
+    /// J1-J7: background jobs not yet ended.
+    pub jobs: crate::jobs::Jobs,
 }
 
 impl AppState {
@@ -226,6 +230,17 @@ impl AppState {
             .map(|c| Arc::new(ChannelRt::with_control(c.clone(), &config.control)))
             .collect();
         let accounts = crate::accounts::Accounts::new(&config, pricing).map_err(Error::TimeZone)?;
+        let workflows = crate::workflows::Workflows::load(config.workflows.as_deref()).map_err(Error::Workflows)?;
+        for k in &config.keys {
+            if let Some(w) = &k.workflow
+                && workflows.get(w).is_none()
+            {
+                return Err(Error::Workflows(format!(
+                    "key `{}`: `workflow: {w}` names no workflow policy in force",
+                    k.name
+                )));
+            }
+        }
         Ok(AppState {
             config,
             channels,
@@ -243,6 +258,8 @@ impl AppState {
             otel: None,
             idempotency: Default::default(),
             ledger_figures: Default::default(),
+            workflows,
+            jobs: Default::default(),
         })
     }
 }

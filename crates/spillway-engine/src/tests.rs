@@ -68,6 +68,7 @@ struct Memory {
     refuse: AtomicBool,
     control: Mutex<Vec<spillway_ledger::ControlState>>,
     audit: Mutex<Vec<spillway_ledger::AuditEntry>>,
+    jobs: Mutex<Vec<spillway_ledger::JobRecord>>,
 }
 
 #[async_trait]
@@ -153,6 +154,54 @@ impl LedgerBackend for Memory {
     }
     async fn maintain(&self) -> spillway_ledger::Result<u64> {
         Ok(0)
+    }
+    async fn save_jobs(
+        &self,
+        j: &[spillway_ledger::JobRecord],
+        a: &[spillway_ledger::AuditEntry],
+    ) -> spillway_ledger::Result<()> {
+        let mut jobs = self.jobs.lock().unwrap();
+        for j in j {
+            jobs.retain(|x| x.id != j.id);
+            jobs.push(j.clone());
+        }
+        self.audit.lock().unwrap().extend(a.iter().cloned());
+        Ok(())
+    }
+    async fn job(&self, id: &str) -> spillway_ledger::Result<Option<spillway_ledger::JobRecord>> {
+        Ok(self.jobs.lock().unwrap().iter().find(|j| j.id == id).cloned())
+    }
+    async fn job_by_key(&self, k: &str, i: &str) -> spillway_ledger::Result<Option<spillway_ledger::JobRecord>> {
+        let jobs = self.jobs.lock().unwrap();
+        Ok(jobs
+            .iter()
+            .rev()
+            .find(|j| j.key_name == k && j.idempotency_key == i)
+            .cloned())
+    }
+    async fn open_jobs(&self) -> spillway_ledger::Result<Vec<spillway_ledger::JobRecord>> {
+        let open = ["queued", "running", "owner_review", "dead_letter"];
+        Ok(self
+            .jobs
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|j| open.contains(&j.state.as_str()))
+            .cloned()
+            .collect())
+    }
+    async fn recent_jobs(&self, _: u32) -> spillway_ledger::Result<Vec<spillway_ledger::JobRecord>> {
+        Ok(self.jobs.lock().unwrap().clone())
+    }
+    async fn job_requests(&self, id: &str) -> spillway_ledger::Result<Vec<RequestRecord>> {
+        let w = self.writes.lock().unwrap();
+        Ok(w.iter().filter(|r| r.job_id.as_deref() == Some(id)).cloned().collect())
+    }
+    async fn save_policy_version(&self, _: &spillway_ledger::PolicyVersion) -> spillway_ledger::Result<bool> {
+        Ok(true)
+    }
+    async fn policy_versions(&self, _: Option<&str>) -> spillway_ledger::Result<Vec<spillway_ledger::PolicyVersion>> {
+        Ok(Vec::new())
     }
     async fn accounts(&self) -> spillway_ledger::Result<spillway_ledger::Accounts> {
         Ok(Default::default())
@@ -423,6 +472,7 @@ async fn request(st: &Arc<AppState>) -> (Life, Ctx, Admitted) {
         probe,
         conversation: 7,
         strip_usage: false,
+        max_attempts: st.config.max_attempts,
     };
     (life, ctx, admitted)
 }

@@ -51,6 +51,13 @@ fn ui_bindings_are_current() {
     spillway_engine::money::NewKey::export_all(&cfg).unwrap();
     spillway_engine::money::SpendLimitAction::export_all(&cfg).unwrap();
     spillway_engine::money::TopUp::export_all(&cfg).unwrap();
+    spillway_engine::jobs::JobView::export_all(&cfg).unwrap();
+    spillway_engine::inbox::JobDetail::export_all(&cfg).unwrap();
+    spillway_engine::inbox::DeadLetterDetail::export_all(&cfg).unwrap();
+    spillway_engine::inbox::BulkPreview::export_all(&cfg).unwrap();
+    spillway_engine::inbox::FormError::export_all(&cfg).unwrap();
+    spillway_engine::inbox::JobFilter::export_all(&cfg).unwrap();
+    spillway_engine::inbox::PoliciesView::export_all(&cfg).unwrap();
     let fresh = files(tmp.path());
     let committed_dir: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ui/src/bindings");
     if std::env::var_os("UPDATE_BINDINGS").is_some() {

@@ -33,7 +33,15 @@ failed_cost_usd: number | null,
 /**
  * The pricing catalog's version the costs were computed with.
  */
-pricing_version: string | null, received_at: UnixMs, admitted_at: UnixMs | null, first_token_at: UnixMs | null, finished_at: UnixMs | null, queued_ms: number | null, attempts: number, body_sha256: string | null, partial_output_committed: boolean, 
+pricing_version: string | null, 
+/**
+ * J8: the version (content hash) of the workflow policy the request ran under.
+ */
+policy_version: string | null, 
+/**
+ * J2: the background job this request is a run of.
+ */
+job_id: string | null, received_at: UnixMs, admitted_at: UnixMs | null, first_token_at: UnixMs | null, finished_at: UnixMs | null, queued_ms: number | null, attempts: number, body_sha256: string | null, partial_output_committed: boolean, 
 /**
  * While waiting to retry: the next attempt starts no earlier (F1, I5).
  */

@@ -1,0 +1,1435 @@
+//! J1-J7, K1: background jobs. A request with `Prefer: respond-async` becomes a job: its
+//! body and everything a later run needs are durable in the ledger before the `202`. The
+//! runner releases queued jobs (J4: only once their `ready_at` has come; among those, by
+//! priority, then the earlier `ready_at`, then the earlier `created_at`) within a
+//! concurrency limit per (owner, provider, model, endpoint), and never on a route whose
+//! breaker is open (G2) or, while interactive requests wait for capacity, below the
+//! workflow's `shed_priority_below` (J5). A run is an ordinary request through the
+//! gateway's own pipeline (keys, breakers, channel failover, idempotency, cost, ledger),
+//! so a job is metered and recorded like any request; every run carries the job's
+//! idempotency key, so a run that completed is never sent again (I2).
+//!
+//! How a run ended decides where the job goes next (J6): done; back to the queue with a
+//! `ready_at` (a provider's hint, else full jitter capped by the policy); an approved
+//! fallback route when its contract holds (K1); the owner-review lane (quota, spend,
+//! permission, data boundary, an unknown contract or signal); or the dead letter (out of
+//! attempts, past `max_queue_age_ms`, partial output committed, outcome unknown).
+
+use crate::clock;
+use crate::error::GatewayError;
+use crate::life::{End, Life};
+use crate::state::{AppState, KeyRt};
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, StatusCode};
+use rand::Rng;
+use serde::Serialize;
+use spillway_ledger::{AuditEntry, FailureClass, GatewayClass, JobRecord, RequestRecord, RequestState};
+use spillway_policy::Workflow;
+use spillway_policy::workflow::{DeadLetterTrigger, FailClosed, FallbackRoute, Priority, ReviewTrigger};
+use spillway_wire::{Api, ErrorClass, Format, UnixMs};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use ts_rs::TS;
+
+/// The header that asks for background work (RFC 7240).
+pub const PREFER: &str = "prefer";
+/// A job's priority, when the client sets one (`low`, `normal`, `high`, `urgent`).
+pub const PRIORITY_HEADER: &str = "x-spillway-priority";
+
+/// Headers a run forwards to the provider as the client sent them (versions and betas);
+/// nothing else is kept, and never a credential.
+const KEPT_HEADERS: &[&str] = &[
+    "anthropic-version",
+    "anthropic-beta",
+    "openai-beta",
+    "x-spillway-conversation-id",
+];
+
+/// Lanes, as J1 names them.
+pub const INTERACTIVE: &str = "interactive_admission";
+pub const STREAM_RECOVERY: &str = "stream_recovery";
+pub const BACKGROUND: &str = "background_retry";
+pub const OWNER_REVIEW: &str = "owner_review";
+pub const DEAD_LETTER: &str = "dead_letter";
+
+/// Job states.
+pub const QUEUED: &str = "queued";
+pub const RUNNING: &str = "running";
+pub const SUCCEEDED: &str = "succeeded";
+pub const FAILED: &str = "failed";
+pub const REJECTED: &str = "rejected";
+pub const REPLAYED: &str = "replayed";
+
+/// Marks a request as a run of a job: the key it runs as (the job's key, known by name;
+/// no secret is kept), its deadline, and where the run's final record is handed back.
+#[derive(Clone)]
+pub struct JobRun {
+    pub job_id: String,
+    pub key: Arc<KeyRt>,
+    pub workflow: Arc<Workflow>,
+    pub deadline: Duration,
+    pub sink: Arc<Mutex<Option<RequestRecord>>>,
+}
+
+/// A bulk replay's stop condition (L2).
+struct Batch {
+    stop_after_failures: u32,
+    failures: u32,
+    stopped: bool,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Every job not yet ended (queued, running, awaiting an owner, in the dead letter),
+    /// without its body.
+    open: HashMap<String, JobRecord>,
+    /// Runs in flight per concurrency key (J4).
+    running: HashMap<String, u32>,
+    batches: HashMap<String, Batch>,
+    /// How long a run takes, smoothed: the 429 of a full lane estimates its restart from it.
+    run_ms: f64,
+}
+
+/// The jobs of this gateway.
+#[derive(Default)]
+pub struct Jobs {
+    inner: Mutex<Inner>,
+    wake: tokio::sync::Notify,
+    /// J1: streams waiting to retry before their first token, now.
+    pub stream_recovery: AtomicU32,
+}
+
+/// A job as its client and the console see it.
+#[derive(Clone, Debug, Serialize, TS)]
+pub struct JobView {
+    pub job_id: String,
+    pub state: String,
+    pub lane: Option<String>,
+    pub workflow: String,
+    pub policy_version: String,
+    pub owner_key: String,
+    pub key_name: String,
+    pub route_key: String,
+    pub route_override: Option<String>,
+    pub requested_model: String,
+    pub served_model: Option<String>,
+    pub priority: String,
+    pub attempt: u32,
+    pub max_attempts: u32,
+    pub created_at: UnixMs,
+    pub ready_at: UnixMs,
+    pub expires_at: UnixMs,
+    pub updated_at: UnixMs,
+    pub retry_after_ms: Option<u64>,
+    pub fallback_policy: Option<String>,
+    pub partial_output_committed: bool,
+    pub last_error_type: Option<String>,
+    pub last_error: Option<String>,
+    pub last_status: Option<u16>,
+    /// Why it is in its lane.
+    pub reason: Option<String>,
+    pub estimated_cost_usd: Option<f64>,
+    pub cost_usd: Option<f64>,
+    pub usage_units: Option<u64>,
+    pub idempotency_key: String,
+    pub request_ids: Vec<String>,
+    pub replay_of: Option<String>,
+    pub replayed_by: Option<String>,
+    pub batch_id: Option<String>,
+    /// K3: the owner's decision, as JSON.
+    pub review: Option<String>,
+    /// L1: the reviewed replay form, as JSON.
+    pub replay: Option<String>,
+    pub result_status: Option<u16>,
+}
+
+impl JobView {
+    pub fn of(j: &JobRecord) -> JobView {
+        JobView {
+            job_id: j.id.clone(),
+            state: j.state.clone(),
+            lane: j.lane.clone(),
+            workflow: j.workflow.clone(),
+            policy_version: j.policy_version.clone(),
+            owner_key: j.owner.clone(),
+            key_name: j.key_name.clone(),
+            route_key: j.route.clone(),
+            route_override: j.route_override.clone(),
+            requested_model: j.requested_model.clone(),
+            served_model: j.served_model.clone(),
+            priority: j.priority.clone(),
+            attempt: j.attempt,
+            max_attempts: j.max_attempts,
+            created_at: j.created_at,
+            ready_at: j.ready_at,
+            expires_at: j.expires_at,
+            updated_at: j.updated_at,
+            retry_after_ms: j.retry_after_ms,
+            fallback_policy: j.fallback_policy.clone(),
+            partial_output_committed: j.partial_output_committed,
+            last_error_type: j.last_error_type.clone(),
+            last_error: j.last_error.clone(),
+            last_status: j.last_status,
+            reason: j.reason.clone(),
+            estimated_cost_usd: j.estimated_cost_usd,
+            cost_usd: j.cost_usd,
+            usage_units: j.usage_units,
+            idempotency_key: j.idempotency_key.clone(),
+            request_ids: j.request_ids.clone(),
+            replay_of: j.replay_of.clone(),
+            replayed_by: j.replayed_by.clone(),
+            batch_id: j.batch_id.clone(),
+            review: j.review.clone(),
+            replay: j.replay.clone(),
+            result_status: j.result_status,
+        }
+    }
+}
+
+/// Lane lengths of one route (J1, J7), as the overview shows them.
+#[derive(Clone, Debug, Default, Serialize, TS)]
+pub struct LaneDepths {
+    pub route: String,
+    pub interactive_admission: i64,
+    pub stream_recovery: u32,
+    pub background_retry: u32,
+    /// Of `background_retry`: runs in flight now.
+    pub running: u32,
+    pub owner_review: u32,
+    pub dead_letter: u32,
+}
+
+/// Whether `headers` ask for background work: `Prefer: respond-async` (RFC 7240, any case,
+/// among other preferences).
+pub fn prefers_async(headers: &HeaderMap) -> bool {
+    headers.get_all(PREFER).iter().any(|v| {
+        v.to_str().is_ok_and(|s| {
+            s.split(',').any(|p| {
+                p.split(';')
+                    .next()
+                    .is_some_and(|t| t.trim().eq_ignore_ascii_case("respond-async"))
+            })
+        })
+    })
+}
+
+/// The path and query a job is run on: as submitted, less a Gemini `key=` query
+/// parameter (a credential is never stored).
+pub fn stored_path(uri: &http::Uri) -> String {
+    let path = uri.path();
+    match uri.query() {
+        None => path.to_owned(),
+        Some(q) => {
+            let kept: Vec<&str> = q
+                .split('&')
+                .filter(|kv| !kv.starts_with("key=") && !kv.is_empty())
+                .collect();
+            if kept.is_empty() {
+                path.to_owned()
+            } else {
+                format!("{path}?{}", kept.join("&"))
+            }
+        }
+    }
+}
+
+fn new_job_id() -> String {
+    format!("job_{:032x}", rand::rng().random::<u128>())
+}
+
+/// The route a job runs on next.
+pub fn effective_route(j: &JobRecord) -> &str {
+    j.route_override.as_deref().unwrap_or(&j.route)
+}
+
+/// `format/model` split.
+pub fn split_route(route: &str) -> Option<(Format, &str)> {
+    let (f, m) = route.split_once('/')?;
+    Some((f.parse::<Format>().ok()?, m))
+}
+
+/// J4: the concurrency key of a job under `wf`.
+fn concurrency_key(j: &JobRecord, wf: &Workflow) -> String {
+    use spillway_policy::workflow::ConcurrencyField as F;
+    let route = effective_route(j);
+    let (provider, model) = route.split_once('/').unwrap_or((route, ""));
+    wf.backpressure
+        .concurrency_key
+        .iter()
+        .map(|f| match f {
+            F::OwnerKey => j.owner.as_str(),
+            F::Provider => provider,
+            F::RequestedModel => model,
+            F::EndpointType => j.endpoint.as_str(),
+        })
+        .collect::<Vec<_>>()
+        .join("|")
+}
+
+fn priority_of(j: &JobRecord) -> Priority {
+    Priority::parse(&j.priority).unwrap_or_default()
+}
+
+/// The idempotency key a run carries on `route`: the job's own on its route; on another
+/// route (another body) one derived from both, as I2 refuses a key reused for a different
+/// body.
+fn run_key(j: &JobRecord) -> String {
+    match &j.route_override {
+        Some(r) if *r != j.route => {
+            use sha2::Digest;
+            let h = hex::encode(&sha2::Sha256::digest(r.as_bytes())[..6]);
+            let base: String = j.idempotency_key.chars().take(230).collect();
+            format!("{base}#{h}")
+        }
+        _ => j.idempotency_key.clone(),
+    }
+}
+
+fn audit(kind: &str, subject: &str, actor: &str, action: &str, reason: &str, figures: serde_json::Value) -> AuditEntry {
+    AuditEntry {
+        id: 0,
+        at: clock::now(),
+        kind: kind.into(),
+        subject: subject.into(),
+        actor: actor.into(),
+        action: action.into(),
+        trigger: None,
+        reason: reason.into(),
+        figures: Some(figures.to_string()),
+    }
+}
+
+impl Jobs {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Jobs not yet ended, without bodies.
+    pub fn open(&self) -> Vec<JobRecord> {
+        let mut v: Vec<JobRecord> = self.lock().open.values().cloned().collect();
+        v.sort_by(|a, b| b.created_at.cmp(&a.created_at).then_with(|| b.id.cmp(&a.id)));
+        v
+    }
+
+    pub fn get(&self, id: &str) -> Option<JobRecord> {
+        self.lock().open.get(id).cloned()
+    }
+
+    /// J7: jobs of `workflow` in `lane` now.
+    fn lane_len(&self, workflow: &str, lane: &str) -> usize {
+        self.lock()
+            .open
+            .values()
+            .filter(|j| j.workflow == workflow && j.lane.as_deref() == Some(lane))
+            .count()
+    }
+
+    /// Lane lengths per route.
+    pub fn depths(&self, st: &AppState) -> Vec<LaneDepths> {
+        let mut by: std::collections::BTreeMap<String, LaneDepths> = Default::default();
+        for r in st.metrics.routes() {
+            let route = format!("{}/{}", r.provider, r.model);
+            let d = by.entry(route.clone()).or_insert_with(|| LaneDepths {
+                route,
+                ..Default::default()
+            });
+            d.interactive_admission += r.queued.max(0);
+        }
+        for j in self.lock().open.values() {
+            let route = effective_route(j).to_owned();
+            let d = by.entry(route.clone()).or_insert_with(|| LaneDepths {
+                route,
+                ..Default::default()
+            });
+            match j.lane.as_deref() {
+                Some(BACKGROUND) => {
+                    d.background_retry += 1;
+                    if j.state == RUNNING {
+                        d.running += 1;
+                    }
+                }
+                Some(OWNER_REVIEW) => d.owner_review += 1,
+                Some(DEAD_LETTER) => d.dead_letter += 1,
+                _ => {}
+            }
+        }
+        let mut v: Vec<LaneDepths> = by.into_values().collect();
+        // Streams waiting to retry are gateway-wide: shown on the first row.
+        if let Some(first) = v.first_mut() {
+            first.stream_recovery = self.stream_recovery.load(Ordering::Relaxed);
+        }
+        v
+    }
+
+    fn put(&self, j: JobRecord) {
+        let mut i = self.lock();
+        if j.lane.is_some() {
+            i.open.insert(j.id.clone(), j);
+        } else {
+            i.open.remove(&j.id);
+        }
+        drop(i);
+        self.wake.notify_one();
+    }
+}
+
+/// Saves `jobs` durably (with `audits`), then shows them in memory.
+pub async fn save(st: &AppState, jobs: Vec<JobRecord>, audits: &[AuditEntry]) -> Result<(), GatewayError> {
+    if let Err(e) = st.ledger.store().save_jobs(&jobs, audits).await {
+        tracing::error!(error = %e, "the ledger could not record a job");
+        return Err(GatewayError::LedgerUnavailable);
+    }
+    for mut j in jobs {
+        // Memory keeps no bodies: a run reads its body back from the ledger.
+        j.body = None;
+        j.result = None;
+        st.jobs.put(j);
+    }
+    Ok(())
+}
+
+/// What ingress hands over for a submission.
+pub struct Submission<'a> {
+    pub key: Arc<KeyRt>,
+    pub workflow: Arc<Workflow>,
+    pub format: Format,
+    pub api: Api,
+    pub path_and_query: String,
+    pub headers: &'a HeaderMap,
+    pub body: Bytes,
+    pub model: String,
+    pub idempotency_key: Option<String>,
+}
+
+/// The answer to a submission: 202 with where to find the job.
+fn accepted(j: &JobRecord, repeat: bool) -> Response {
+    let url = format!("/spillway/v1/jobs/{}", j.id);
+    let mut r = (
+        StatusCode::ACCEPTED,
+        axum::Json(serde_json::json!({
+            "job_id": j.id, "status_url": url, "state": j.state, "lane": j.lane,
+            "workflow": j.workflow, "policy_version": j.policy_version,
+        })),
+    )
+        .into_response();
+    if let Ok(v) = HeaderValue::from_str(&url) {
+        r.headers_mut().insert(http::header::LOCATION, v);
+    }
+    r.headers_mut()
+        .insert("preference-applied", HeaderValue::from_static("respond-async"));
+    if repeat {
+        r.headers_mut()
+            .insert("x-spillway-idempotent-replay", HeaderValue::from_static("true"));
+    }
+    r
+}
+
+/// J2, J7: a request that asked for background work becomes a job, or is refused.
+pub async fn submit(st: &Arc<AppState>, life: Life, s: Submission<'_>) -> Response {
+    let wf = s.workflow.clone();
+    let priority = match s.headers.get(PRIORITY_HEADER).map(|v| v.to_str().unwrap_or("")) {
+        None => wf.background.priority,
+        Some(v) => match Priority::parse(v.trim()) {
+            Some(p) => p,
+            None => {
+                let e = spillway_wire::RequestError {
+                    field: Some(PRIORITY_HEADER.into()),
+                    message: "expected one of low, normal, high, urgent".into(),
+                };
+                return life.close(End::refused(GatewayError::InvalidRequest(e))).await;
+            }
+        },
+    };
+    if wf.background.require_idempotency_key && s.idempotency_key.is_none() {
+        return life
+            .close(End::refused(GatewayError::JobNeedsIdempotencyKey {
+                workflow: wf.name.clone(),
+            }))
+            .await;
+    }
+    let body_sha256 = life.rec.body_sha256.clone().unwrap_or_default();
+    // I2 for jobs: the same key and body is the same job; another body under the key is refused.
+    if let Some(k) = &s.idempotency_key {
+        match st.ledger.store().job_by_key(&s.key.key.name, k).await {
+            Ok(Some(found)) if found.body_sha256 == body_sha256 && found.path == s.path_and_query => {
+                let latest = st.jobs.get(&found.id).unwrap_or(found);
+                let r = accepted(&latest, true);
+                life.hand_over();
+                return r;
+            }
+            Ok(Some(found)) => {
+                return life
+                    .close(End::refused(GatewayError::IdempotencyKeyReused { original: found.id }))
+                    .await;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "ledger lookup of a job's idempotency key failed");
+                return life.close(End::refused(GatewayError::LedgerUnavailable)).await;
+            }
+        }
+    }
+    // J7: a full lane takes no more work. A full owner-review or dead-letter lane means
+    // nobody is clearing them: taking more would only grow what waits for a person.
+    for (lane, max, advice) in [
+        (
+            BACKGROUND,
+            wf.background.max_length,
+            "Retry after the indicated delay, when queued jobs have run.",
+        ),
+        (
+            OWNER_REVIEW,
+            wf.owner_review.max_length,
+            "An operator must work through the owner-review inbox first.",
+        ),
+        (
+            DEAD_LETTER,
+            wf.dead_letter.max_length,
+            "An operator must work through the dead-letter inbox first.",
+        ),
+    ] {
+        let length = st.jobs.lane_len(&wf.name, lane);
+        if length >= max as usize {
+            let retry_after_s = if lane == BACKGROUND {
+                restart_estimate(st, &wf, length + 1 - max as usize)
+            } else {
+                300
+            };
+            let e = GatewayError::LaneFull {
+                lane,
+                workflow: wf.name.clone(),
+                length,
+                max,
+                advice,
+                retry_after_s,
+            };
+            return life.close(End::refused(e)).await;
+        }
+    }
+    let now = clock::now();
+    let id = new_job_id();
+    let headers: serde_json::Map<String, serde_json::Value> = KEPT_HEADERS
+        .iter()
+        .filter_map(|h| {
+            let v = s.headers.get(*h)?.to_str().ok()?;
+            Some(((*h).to_owned(), serde_json::Value::String(v.to_owned())))
+        })
+        .collect();
+    let route = format!("{}/{}", s.format, s.model);
+    let fallbacks: Vec<String> = wf.fallbacks_from(&route).iter().map(|r| r.to.clone()).collect();
+    let est_in = life.rec.estimated_input_tokens;
+    let job = JobRecord {
+        id: id.clone(),
+        key_name: s.key.key.name.clone(),
+        owner: s.key.key.owner.clone(),
+        idempotency_key: s.idempotency_key.clone().unwrap_or_else(|| format!("job:{id}")),
+        workflow: wf.name.clone(),
+        policy_version: wf.version.clone(),
+        format: s.format.as_str().to_owned(),
+        api: api_str(s.api).to_owned(),
+        path: s.path_and_query.clone(),
+        endpoint: life.rec.endpoint.clone(),
+        headers: serde_json::Value::Object(headers).to_string(),
+        body: Some(s.body.to_vec()),
+        body_sha256,
+        route: route.clone(),
+        requested_model: s.model.clone(),
+        served_model: None,
+        route_override: None,
+        priority: priority.as_str().to_owned(),
+        lane: Some(BACKGROUND.into()),
+        state: QUEUED.into(),
+        attempt: 0,
+        max_attempts: wf.background.max_attempts,
+        created_at: now,
+        ready_at: now,
+        expires_at: UnixMs(now.0.saturating_add(wf.background.max_queue_age_ms as i64)),
+        updated_at: now,
+        retry_after_ms: None,
+        partial_output_committed: false,
+        last_error_type: None,
+        last_error: None,
+        last_status: None,
+        estimated_cost_usd: life.rec.estimated_cost_usd,
+        estimated_input_tokens: est_in,
+        estimated_output_tokens: life.estimated_output_tokens(),
+        cost_usd: None,
+        usage_units: None,
+        fallback_policy: Some(if fallbacks.is_empty() {
+            "none".to_owned()
+        } else {
+            format!("{}@{}: {}", wf.name, wf.version, fallbacks.join(", "))
+        }),
+        request_ids: Vec::new(),
+        reason: None,
+        result_status: None,
+        result_content_type: None,
+        result: None,
+        review: None,
+        replay_of: None,
+        replayed_by: None,
+        replay: None,
+        batch_id: None,
+    };
+    if let Err(e) = save(st, vec![job.clone()], &[]).await {
+        return life.close(End::refused(e)).await;
+    }
+    tracing::info!(job = %id, workflow = %wf.name, route = %route, "background job accepted");
+    let r = accepted(&job, false);
+    life.hand_over();
+    r
+}
+
+fn api_str(a: Api) -> &'static str {
+    match a {
+        Api::Generate => "generate",
+        Api::Responses => "responses",
+        Api::Embeddings => "embeddings",
+        Api::CountTokens => "count_tokens",
+    }
+}
+
+/// J7: seconds until a full background lane has room for `excess` more jobs, from how
+/// long runs take and how many may run at once.
+fn restart_estimate(st: &AppState, wf: &Workflow, excess: usize) -> u64 {
+    let run_ms = st.jobs.lock().run_ms.max(1_000.0);
+    let parallel = f64::from(wf.backpressure.max_concurrency.max(1));
+    let s = (excess as f64 * run_ms / parallel / 1000.0).ceil() as u64;
+    s.clamp(1, 3_600)
+}
+
+// ---------------------------------------------------------------------------------------
+// Client API: GET /spillway/v1/jobs/{id} and its result.
+
+/// A job's status, for the key that submitted it (any other key is told there is none).
+pub async fn status_endpoint(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    uri: http::Uri,
+) -> Response {
+    let (job, format) = match own_job(&st, &id, &headers, &uri).await {
+        Ok(j) => j,
+        Err(r) => return r,
+    };
+    let _ = format;
+    let mut out = serde_json::to_vec(&JobView::of(&job)).unwrap_or_else(|_| b"{}".to_vec());
+    if let Some(body) = job.result.as_deref() {
+        // The provider's body exactly as the interactive call returned it: JSON spliced in
+        // as it came (no reordering), anything else (a stream's text) as a string.
+        // `GET .../result` gives the bytes with their status and content type.
+        out.pop();
+        out.extend_from_slice(b",\"result_url\":");
+        out.extend_from_slice(&serde_json::to_vec(&format!("/spillway/v1/jobs/{}/result", job.id)).unwrap_or_default());
+        out.extend_from_slice(b",\"result\":");
+        if serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok() {
+            out.extend_from_slice(body);
+        } else {
+            out.extend_from_slice(&serde_json::to_vec(&String::from_utf8_lossy(body)).unwrap_or_default());
+        }
+        out.push(b'}');
+    }
+    let mut r = Response::new(Body::from(out));
+    r.headers_mut()
+        .insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+/// The result of a job, byte for byte with the provider's status and content type.
+pub async fn result_endpoint(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    uri: http::Uri,
+) -> Response {
+    let (job, format) = match own_job(&st, &id, &headers, &uri).await {
+        Ok(j) => j,
+        Err(r) => return r,
+    };
+    match (job.result, job.result_status) {
+        (Some(body), Some(status)) => {
+            let mut r = Response::new(Body::from(body));
+            *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+            if let Some(ct) = job
+                .result_content_type
+                .as_deref()
+                .and_then(|c| HeaderValue::from_str(c).ok())
+            {
+                r.headers_mut().insert(http::header::CONTENT_TYPE, ct);
+            }
+            r
+        }
+        _ => crate::error::GatewayError::JobNotDone {
+            id: job.id,
+            state: job.state,
+        }
+        .into_response(format),
+    }
+}
+
+/// The job `id` of the key presenting itself on `req`, with the format to answer in.
+async fn own_job(
+    st: &Arc<AppState>,
+    id: &str,
+    headers: &HeaderMap,
+    uri: &http::Uri,
+) -> Result<(JobRecord, Format), Response> {
+    let format = [Format::OpenAi, Format::Anthropic, Format::Gemini]
+        .into_iter()
+        .find(|f| crate::ingress::authenticate(st, *f, headers, uri).is_ok())
+        .unwrap_or(Format::OpenAi);
+    let key = match crate::ingress::authenticate(st, format, headers, uri) {
+        Ok(k) => k,
+        Err(e) => return Err(e.into_response(format)),
+    };
+    let not_found = || GatewayError::NoSuchJob.into_response(format);
+    if id.len() > 64 {
+        return Err(not_found());
+    }
+    match st.ledger.store().job(id).await {
+        Ok(Some(mut j)) if j.key_name == key.key.name => {
+            // Memory is ahead of nothing (saves go to the ledger first), but a running job's
+            // state is only in memory until its run ends.
+            if let Some(m) = st.jobs.get(id) {
+                j.state = m.state;
+                j.attempt = m.attempt;
+            }
+            Ok((j, format))
+        }
+        Ok(_) => Err(not_found()),
+        Err(e) => {
+            tracing::error!(error = %e, "ledger read of a job failed");
+            Err(GatewayError::LedgerUnavailable.into_response(format))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The runner.
+
+/// Starts the runner: it releases jobs through `router` (the gateway's own routes).
+pub fn start(st: &Arc<AppState>, router: axum::Router) {
+    let st = st.clone();
+    tokio::spawn(async move {
+        if let Err(e) = recover(&st).await {
+            tracing::error!(error = %e, "could not load the queued jobs from the ledger; background jobs do not run");
+            st.alert(
+                crate::state::Severity::Critical,
+                "Background jobs are not running".into(),
+                format!("The ledger could not list the queued jobs: {e}"),
+                None,
+            );
+            return;
+        }
+        let draining = st.shutdown.draining.clone();
+        loop {
+            let next = release(&st, &router).await;
+            let wait = next.unwrap_or(Duration::from_secs(1)).min(Duration::from_secs(1));
+            tokio::select! {
+                _ = draining.cancelled() => return,
+                _ = st.jobs.wake.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    });
+}
+
+/// J6, I4: the jobs the ledger holds open come back. A job that may have been running when
+/// the gateway stopped is looked at through its runs: a run whose outcome is unknown
+/// sends the job to the dead letter (L3: never run again before an owner reconciles it);
+/// any other goes back to the queue, where its idempotency key answers a run that did
+/// complete from the ledger without calling the provider again.
+async fn recover(st: &Arc<AppState>) -> spillway_ledger::Result<()> {
+    let open = st.ledger.store().open_jobs().await?;
+    let mut changed = Vec::new();
+    let mut audits = Vec::new();
+    for mut j in open {
+        if let Some(b) = j
+            .replay
+            .as_deref()
+            .and_then(|r| serde_json::from_str::<serde_json::Value>(r).ok())
+            && let (Some(batch), Some(stop)) = (
+                j.batch_id.clone(),
+                b.get("stop_after_failures").and_then(|v| v.as_u64()),
+            )
+        {
+            st.jobs.lock().batches.entry(batch).or_insert(Batch {
+                stop_after_failures: stop as u32,
+                failures: 0,
+                stopped: false,
+            });
+        }
+        // A job is marked running in memory only (a durable write per release would cost
+        // a sync per run), so any job that may have been running is looked at.
+        if j.state == RUNNING || j.state == QUEUED {
+            // Its runs as the ledger has them: the job's own row is saved when a run ends,
+            // so the run that was cut is found by its job id.
+            let runs = st.ledger.store().job_requests(&j.id).await?;
+            for r in &runs {
+                if !j.request_ids.contains(&r.id) {
+                    j.request_ids.push(r.id.clone());
+                }
+            }
+            if runs
+                .iter()
+                .any(|r| matches!(r.state, RequestState::Unknown | RequestState::CallingApi))
+            {
+                park(&mut j, DEAD_LETTER, "outcome_unknown");
+                j.last_error = Some("the gateway stopped while this job's run was calling the provider; its outcome is unknown. Reconcile the run in the Unknown outcomes inbox before a replay.".into());
+                audits.push(audit(
+                    "job",
+                    &j.id,
+                    "gateway",
+                    "dead_lettered",
+                    "outcome_unknown after a restart",
+                    serde_json::json!([]),
+                ));
+            } else if j.state == RUNNING {
+                j.state = QUEUED.into();
+                j.ready_at = clock::now();
+            } else {
+                st.jobs.put(j);
+                continue;
+            }
+            j.updated_at = clock::now();
+            changed.push(j.clone());
+        }
+        st.jobs.put(j);
+    }
+    if !changed.is_empty() {
+        tracing::info!(
+            jobs = changed.len(),
+            "jobs that were running when the gateway stopped are back"
+        );
+        st.ledger.store().save_jobs(&changed, &audits).await?;
+    }
+    Ok(())
+}
+
+fn park(j: &mut JobRecord, lane: &str, reason: &str) {
+    j.lane = Some(lane.into());
+    j.state = lane.into();
+    j.reason = Some(reason.into());
+}
+
+/// One pass: jobs past their age go to the dead letter; jobs due are released within
+/// their limits. Returns when the next queued job becomes due.
+async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> {
+    let now = clock::now();
+    let waiting_interactive = st.capacity_queue.load(Ordering::Relaxed) > 0;
+    let mut expired = Vec::new();
+    let mut go = Vec::new();
+    let mut next: Option<i64> = None;
+    {
+        let mut inner = st.jobs.lock();
+        let mut queued: Vec<JobRecord> = inner.open.values().filter(|j| j.state == QUEUED).cloned().collect();
+        queued.sort_by(|a, b| {
+            priority_of(b)
+                .cmp(&priority_of(a))
+                .then(a.ready_at.cmp(&b.ready_at))
+                .then(a.created_at.cmp(&b.created_at))
+                .then(a.id.cmp(&b.id))
+        });
+        for mut j in queued {
+            if now >= j.expires_at {
+                expired.push(j);
+                continue;
+            }
+            if j.ready_at > now {
+                let wait = j.ready_at.0 - now.0;
+                next = Some(next.map_or(wait, |n| n.min(wait)));
+                continue;
+            }
+            if st.shutdown.draining.is_cancelled() {
+                continue;
+            }
+            let wf = st.workflows.for_job(&j.workflow);
+            // G2, J5: an open breaker pauses the route's background work.
+            let Some((format, model)) = split_route(effective_route(&j)) else {
+                continue;
+            };
+            let route = st.control.route(st, format, model);
+            if route.retry_after().is_some() {
+                continue;
+            }
+            // J5: low priority sheds first while interactive requests wait for capacity.
+            if waiting_interactive && priority_of(&j) < wf.interactive.shed_priority_below {
+                continue;
+            }
+            // J4, F4: per concurrency key; halved while the route is not closed.
+            let key = concurrency_key(&j, &wf);
+            let mut limit = wf.backpressure.max_concurrency;
+            if !route.sending() {
+                limit = (limit / 2).max(1);
+            }
+            let running = inner.running.entry(key).or_insert(0);
+            if *running >= limit {
+                continue;
+            }
+            *running += 1;
+            j.state = RUNNING.into();
+            j.attempt += 1;
+            j.updated_at = now;
+            inner.open.insert(j.id.clone(), j.clone());
+            go.push(j);
+        }
+    }
+    for mut j in expired {
+        j.updated_at = now;
+        let reason = DeadLetterTrigger::MaxQueueAgeExceeded;
+        j.last_error
+            .get_or_insert_with(|| "the job waited past its workflow's max_queue_age_ms".into());
+        to_dead_letter_or_fail(st, &mut j, reason.as_str());
+        let a = audit(
+            "job",
+            &j.id,
+            "gateway",
+            "dead_lettered",
+            reason.as_str(),
+            serde_json::json!([]),
+        );
+        let held = batch_failed(st, &j);
+        let _ = save(st, vec![j.clone()], &[a]).await;
+        if let Some((jobs, audit)) = held {
+            let _ = save(st, jobs, &[audit]).await;
+        }
+    }
+    for j in go {
+        let st = st.clone();
+        let router = router.clone();
+        tokio::spawn(async move { run(st, router, j).await });
+    }
+    next.map(|ms| Duration::from_millis(ms.max(0) as u64))
+}
+
+/// Dead letter when the workflow sends `reason` there, else the job fails for good.
+fn to_dead_letter_or_fail(st: &AppState, j: &mut JobRecord, reason: &str) {
+    let wf = st.workflows.for_job(&j.workflow);
+    if wf.dead_letter.enter_when.iter().any(|t| t.as_str() == reason) {
+        park(j, DEAD_LETTER, reason);
+    } else {
+        j.lane = None;
+        j.state = FAILED.into();
+        j.reason = Some(reason.into());
+    }
+}
+
+/// The body and path of a run on `route` (the job's own, or a fallback's model).
+fn retarget(j: &JobRecord, body: Vec<u8>) -> (String, Vec<u8>) {
+    let route = effective_route(j);
+    let Some((_, model)) = split_route(route) else {
+        return (j.path.clone(), body);
+    };
+    if model == j.requested_model {
+        return (j.path.clone(), body);
+    }
+    if j.format == "gemini" {
+        let path = j.path.replacen(
+            &format!("/models/{}:", j.requested_model),
+            &format!("/models/{model}:"),
+            1,
+        );
+        return (path, body);
+    }
+    match serde_json::from_slice::<serde_json::Value>(&body) {
+        Ok(mut v) => {
+            if let Some(o) = v.as_object_mut() {
+                o.insert("model".into(), model.into());
+            }
+            (j.path.clone(), serde_json::to_vec(&v).unwrap_or(body))
+        }
+        Err(_) => (j.path.clone(), body),
+    }
+}
+
+/// Runs a released job once and files it where its outcome sends it.
+async fn run(st: Arc<AppState>, router: axum::Router, mut j: JobRecord) {
+    let started = tokio::time::Instant::now();
+    let wf = st.workflows.for_job(&j.workflow);
+    let key_conc = concurrency_key(&j, &wf);
+    let outcome = run_once(&st, router, &mut j, &wf).await;
+    {
+        let mut inner = st.jobs.lock();
+        if let Some(n) = inner.running.get_mut(&key_conc) {
+            *n = n.saturating_sub(1);
+        }
+        let ms = started.elapsed().as_millis() as f64;
+        inner.run_ms = if inner.run_ms == 0.0 {
+            ms
+        } else {
+            inner.run_ms * 0.8 + ms * 0.2
+        };
+    }
+    let audits = file(&st, &mut j, &wf, outcome);
+    // The ledger has the body already; the save keeps it.
+    j.body = None;
+    j.updated_at = clock::now();
+    // A bulk replay's stop condition holds its other jobs back before this save wakes the
+    // runner, or the next one would already be on its way.
+    let held = if j.lane.as_deref() != Some(BACKGROUND) && j.state != SUCCEEDED {
+        batch_failed(&st, &j)
+    } else {
+        None
+    };
+    if save(&st, vec![j.clone()], &audits).await.is_err() {
+        // The ledger refused: the job stays as the ledger last knew it (running), and a
+        // restart looks at its last run; memory keeps it from running again meanwhile.
+        tracing::error!(job = %j.id, "a job's outcome could not be recorded");
+    }
+    if let Some((jobs, audit)) = held {
+        let _ = save(&st, jobs, &[audit]).await;
+    }
+}
+
+/// What one run brought back.
+struct Outcome {
+    status: StatusCode,
+    content_type: Option<String>,
+    body: Bytes,
+    retry_after_ms: Option<u64>,
+    rec: Option<RequestRecord>,
+    replayed: bool,
+}
+
+async fn run_once(st: &Arc<AppState>, router: axum::Router, j: &mut JobRecord, wf: &Arc<Workflow>) -> Outcome {
+    let failed = |msg: &str| Outcome {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        content_type: None,
+        body: Bytes::from(msg.to_owned()),
+        retry_after_ms: Some(5_000),
+        rec: None,
+        replayed: false,
+    };
+    let full = match st.ledger.store().job(&j.id).await {
+        Ok(Some(f)) => f,
+        _ => return failed("the job's body could not be read from the ledger"),
+    };
+    let Some(body) = full.body else {
+        // Nothing to send: the job cannot run, now or later.
+        return Outcome {
+            status: StatusCode::GONE,
+            content_type: None,
+            body: Bytes::from_static(b"the job's request body is not in the ledger"),
+            retry_after_ms: None,
+            rec: None,
+            replayed: false,
+        };
+    };
+    // K1's contract reads the body (tools, schema) if the run fails.
+    j.body = Some(body.clone());
+    let Some(key) = st.accounts.key_by_name(&j.key_name) else {
+        return Outcome {
+            status: StatusCode::UNAUTHORIZED,
+            content_type: None,
+            body: Bytes::from_static(b"the job's gateway key no longer exists or was revoked"),
+            retry_after_ms: None,
+            rec: None,
+            replayed: false,
+        };
+    };
+    let (path, body) = retarget(j, body);
+    let sink = Arc::new(Mutex::new(None));
+    let mut req = http::Request::builder()
+        .method(http::Method::POST)
+        .uri(&path)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .header(http::header::HOST, "127.0.0.1")
+        .header(crate::idempotency::HEADER, run_key(j))
+        .header(crate::workflows::HEADER, &wf.name);
+    if let Ok(serde_json::Value::Object(h)) = serde_json::from_str::<serde_json::Value>(&j.headers) {
+        for (k, v) in h {
+            if let Some(v) = v.as_str() {
+                req = req.header(k, v);
+            }
+        }
+    }
+    let Ok(mut req) = req.body(Body::from(body)) else {
+        return failed("the job's stored request could not be rebuilt");
+    };
+    req.extensions_mut().insert(JobRun {
+        job_id: j.id.clone(),
+        key,
+        workflow: wf.clone(),
+        deadline: Duration::from_millis(wf.background.attempt_timeout_ms),
+        sink: sink.clone(),
+    });
+    use tower::ServiceExt;
+    let resp = match router.oneshot(req).await {
+        Ok(r) => r,
+        Err(never) => match never {},
+    };
+    let status = resp.status();
+    let replayed = resp.headers().contains_key("x-spillway-idempotent-replay");
+    let content_type = resp
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let retry_after_ms = resp
+        .headers()
+        .get(http::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(|s| s * 1000);
+    let limit = st.config.upstream.max_response_bytes as usize;
+    let body = match http_body_util::Limited::new(resp.into_body(), limit).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(_) => Bytes::new(),
+    };
+    let rec = sink.lock().unwrap_or_else(|p| p.into_inner()).take();
+    Outcome {
+        status,
+        content_type,
+        body,
+        retry_after_ms,
+        rec,
+        replayed,
+    }
+}
+
+use http_body_util::BodyExt;
+
+/// Where a run's outcome sends the job.
+enum Verdict {
+    Done,
+    /// The request cannot succeed as it is (the provider or the gateway refused it).
+    Invalid,
+    Retry {
+        counted: bool,
+    },
+    Review(ReviewTrigger),
+    DeadLetter(DeadLetterTrigger),
+}
+
+fn judge(o: &Outcome) -> Verdict {
+    let Some(rec) = &o.rec else {
+        if o.status.is_success() {
+            return Verdict::Done;
+        }
+        if o.status == StatusCode::UNAUTHORIZED {
+            return Verdict::Review(ReviewTrigger::PermissionDenied);
+        }
+        if o.status == StatusCode::GONE {
+            return Verdict::Invalid;
+        }
+        return Verdict::Retry { counted: false };
+    };
+    if rec.partial_output_committed {
+        return Verdict::DeadLetter(DeadLetterTrigger::PartialOutputCommitted);
+    }
+    match rec.state {
+        RequestState::Done | RequestState::ApiCompleted | RequestState::SideEffectPending if o.status.is_success() => {
+            return Verdict::Done;
+        }
+        RequestState::Unknown => return Verdict::DeadLetter(DeadLetterTrigger::OutcomeUnknown),
+        _ => {}
+    }
+    let reached = rec.attempts > 0;
+    match rec.error_class {
+        Some(FailureClass::Upstream(c)) => match c {
+            ErrorClass::Quota => Verdict::Review(ReviewTrigger::QuotaOrSpendExhausted),
+            ErrorClass::Auth => Verdict::Review(ReviewTrigger::PermissionDenied),
+            ErrorClass::InvalidRequest => Verdict::Invalid,
+            ErrorClass::Unknown => Verdict::Review(ReviewTrigger::UnknownSignal),
+            _ => Verdict::Retry { counted: true },
+        },
+        Some(FailureClass::Gateway(g)) => match g {
+            GatewayClass::InsufficientBalance | GatewayClass::SpendLimit | GatewayClass::DailyBudget => {
+                Verdict::Review(ReviewTrigger::QuotaOrSpendExhausted)
+            }
+            GatewayClass::ClientAuth => Verdict::Review(ReviewTrigger::PermissionDenied),
+            GatewayClass::NoChannelInRotation => {
+                if rec.error_message.as_deref().is_some_and(|m| m.contains("credential")) {
+                    Verdict::Review(ReviewTrigger::PermissionDenied)
+                } else {
+                    Verdict::Review(ReviewTrigger::QuotaOrSpendExhausted)
+                }
+            }
+            GatewayClass::InvalidBody
+            | GatewayClass::UnsupportedMediaType
+            | GatewayClass::PayloadTooLarge
+            | GatewayClass::NoChannel
+            | GatewayClass::IdempotencyKeyReused
+            | GatewayClass::IdempotencyCompleted => Verdict::Invalid,
+            GatewayClass::IdempotencyUnknown | GatewayClass::Interrupted => {
+                Verdict::DeadLetter(DeadLetterTrigger::OutcomeUnknown)
+            }
+            _ => Verdict::Retry { counted: reached },
+        },
+        None => Verdict::Retry { counted: reached },
+    }
+}
+
+/// Files the job after a run; returns the audit entries of its moves.
+fn file(st: &AppState, j: &mut JobRecord, wf: &Workflow, o: Outcome) -> Vec<AuditEntry> {
+    let now = clock::now();
+    let mut audits = Vec::new();
+    if let Some(rec) = &o.rec {
+        if !j.request_ids.contains(&rec.id) {
+            j.request_ids.push(rec.id.clone());
+        }
+        j.served_model = rec.served_model.clone().or(j.served_model.take());
+        if let Some(c) = rec.cost_usd {
+            j.cost_usd = Some(j.cost_usd.unwrap_or(0.0) + c);
+        }
+        let tokens = rec.input_tokens.unwrap_or(0) + rec.output_tokens.unwrap_or(0);
+        if tokens > 0 {
+            j.usage_units = Some(j.usage_units.unwrap_or(0) + tokens);
+        }
+        j.partial_output_committed |= rec.partial_output_committed;
+        if rec.state != RequestState::Done {
+            j.last_error_type = rec.error_class.map(|c| c.as_str().to_owned());
+            j.last_error = rec.error_message.clone();
+        }
+    } else if !o.status.is_success() {
+        j.last_error = Some(String::from_utf8_lossy(&o.body).chars().take(500).collect());
+    }
+    j.last_status = Some(o.status.as_u16());
+    j.retry_after_ms = o.retry_after_ms;
+    let verdict = judge(&o);
+    match verdict {
+        Verdict::Done => {
+            j.lane = None;
+            j.state = SUCCEEDED.into();
+            j.reason = o
+                .replayed
+                .then(|| "answered from the ledger: an earlier run had completed (I2)".into());
+            j.result_status = Some(o.status.as_u16());
+            j.result_content_type = o.content_type;
+            j.result = Some(o.body.to_vec());
+        }
+        Verdict::Invalid => {
+            j.lane = None;
+            j.state = FAILED.into();
+            j.reason = Some("invalid_request".into());
+            j.result_status = Some(o.status.as_u16());
+            j.result_content_type = o.content_type;
+            j.result = Some(o.body.to_vec());
+        }
+        Verdict::Review(t) => {
+            review_or_dead_letter(st, j, wf, t);
+            audits.push(audit(
+                "job",
+                &j.id,
+                "gateway",
+                &format!("to_{}", j.state),
+                t.as_str(),
+                serde_json::json!([]),
+            ));
+        }
+        Verdict::DeadLetter(t) => {
+            to_dead_letter_or_fail(st, j, t.as_str());
+            audits.push(audit(
+                "job",
+                &j.id,
+                "gateway",
+                &format!("to_{}", j.state),
+                t.as_str(),
+                serde_json::json!([]),
+            ));
+        }
+        Verdict::Retry { counted } => {
+            if !counted {
+                j.attempt = j.attempt.saturating_sub(1);
+            }
+            if counted && j.attempt >= j.max_attempts {
+                // F2: out of attempts: an approved fallback if its contract holds (K1).
+                match next_fallback(st, j, wf) {
+                    Next::Fallback(r) => {
+                        audits.push(audit(
+                            "job",
+                            &j.id,
+                            "gateway",
+                            "fallback",
+                            &format!("attempts exhausted on {}; contract holds for {}", effective_route(j), r.to),
+                            serde_json::json!([{"name": "from", "value": effective_route(j)}, {"name": "to", "value": r.to}]),
+                        ));
+                        j.route_override = Some(r.to.clone());
+                        j.attempt = 0;
+                        j.state = QUEUED.into();
+                        j.ready_at = now;
+                        j.reason = Some(format!("fallback to {}", r.to));
+                    }
+                    Next::Review(t, why) => {
+                        j.last_error = Some(why);
+                        review_or_dead_letter(st, j, wf, t);
+                        audits.push(audit(
+                            "job",
+                            &j.id,
+                            "gateway",
+                            &format!("to_{}", j.state),
+                            t.as_str(),
+                            serde_json::json!([]),
+                        ));
+                    }
+                    Next::Mismatch(why) => {
+                        j.last_error = Some(why);
+                        let reason = if wf.fail_closed_when.contains(&FailClosed::FallbackContractMismatch) {
+                            FailClosed::FallbackContractMismatch.as_str()
+                        } else {
+                            DeadLetterTrigger::MaxAttemptsExhausted.as_str()
+                        };
+                        park(j, DEAD_LETTER, reason);
+                        audits.push(audit(
+                            "job",
+                            &j.id,
+                            "gateway",
+                            "to_dead_letter",
+                            reason,
+                            serde_json::json!([]),
+                        ));
+                    }
+                    Next::None => {
+                        to_dead_letter_or_fail(st, j, DeadLetterTrigger::MaxAttemptsExhausted.as_str());
+                        audits.push(audit(
+                            "job",
+                            &j.id,
+                            "gateway",
+                            &format!("to_{}", j.state),
+                            DeadLetterTrigger::MaxAttemptsExhausted.as_str(),
+                            serde_json::json!([]),
+                        ));
+                    }
+                }
+                return audits;
+            }
+            // F1, F2: the provider's hint, else full jitter capped by the policy.
+            let delay = o.retry_after_ms.unwrap_or_else(|| {
+                let cap = wf
+                    .background
+                    .max_backoff_ms
+                    .min(500u64.saturating_mul(1 << j.attempt.min(20)));
+                rand::rng().random_range(0..=cap.max(1))
+            });
+            let ready = UnixMs(now.0.saturating_add(delay as i64));
+            if ready >= j.expires_at && wf.fail_closed_when.contains(&FailClosed::RetryAfterExceedsDeadline) {
+                j.last_error = Some(format!(
+                    "the next attempt could not start before the job expires (wait {delay} ms)"
+                ));
+                to_dead_letter_or_fail(st, j, FailClosed::RetryAfterExceedsDeadline.as_str());
+                audits.push(audit(
+                    "job",
+                    &j.id,
+                    "gateway",
+                    &format!("to_{}", j.state),
+                    FailClosed::RetryAfterExceedsDeadline.as_str(),
+                    serde_json::json!([]),
+                ));
+                return audits;
+            }
+            j.state = QUEUED.into();
+            j.lane = Some(BACKGROUND.into());
+            j.ready_at = ready;
+        }
+    }
+    audits
+}
+
+/// J6: owner review when the workflow sends `t` there; otherwise the dead letter, where
+/// a person still sees it.
+fn review_or_dead_letter(st: &AppState, j: &mut JobRecord, wf: &Workflow, t: ReviewTrigger) {
+    if wf.owner_review.enter_when.contains(&t) {
+        park(j, OWNER_REVIEW, t.as_str());
+    } else {
+        let _ = st;
+        park(j, DEAD_LETTER, t.as_str());
+    }
+}
+
+enum Next<'a> {
+    Fallback(&'a FallbackRoute),
+    Review(ReviewTrigger, String),
+    Mismatch(String),
+    None,
+}
+
+/// K1: the first approved fallback from the job's route that it has not used yet, if its
+/// contract holds.
+fn next_fallback<'a>(st: &AppState, j: &JobRecord, wf: &'a Workflow) -> Next<'a> {
+    if !wf.fallback.allowed_before_first_token {
+        return Next::None;
+    }
+    let routes = wf.fallbacks_from(&j.route);
+    let Some(r) = routes
+        .into_iter()
+        .find(|r| Some(r.to.as_str()) != j.route_override.as_deref())
+    else {
+        return Next::None;
+    };
+    if j.route_override.is_some() {
+        // One fallback per job: a fallback that failed too goes to a person.
+        return Next::None;
+    }
+    match crate::contract::check(st, wf, j, r) {
+        crate::contract::Verdict::Holds => Next::Fallback(r),
+        crate::contract::Verdict::Unknown(why) => Next::Review(ReviewTrigger::FallbackContractUnknown, why),
+        crate::contract::Verdict::DataBoundary(why) => Next::Review(ReviewTrigger::DataBoundaryMismatch, why),
+        crate::contract::Verdict::Mismatch(why) => Next::Mismatch(why),
+    }
+}
+
+/// L2: a job of a bulk replay ended badly: once the batch reaches its stop condition, its
+/// jobs still queued go back to the dead letter unrun. They leave the queue here, in
+/// memory, at once; the caller saves what this returns.
+fn batch_failed(st: &AppState, j: &JobRecord) -> Option<(Vec<JobRecord>, AuditEntry)> {
+    let batch = j.batch_id.clone()?;
+    let mut inner = st.jobs.lock();
+    let b = inner.batches.get_mut(&batch)?;
+    b.failures += 1;
+    if b.stopped || b.failures < b.stop_after_failures {
+        return None;
+    }
+    b.stopped = true;
+    let now = clock::now();
+    let mut held = Vec::new();
+    for x in inner.open.values_mut() {
+        if x.batch_id.as_deref() == Some(batch.as_str()) && x.state == QUEUED && x.id != j.id {
+            park(x, DEAD_LETTER, "bulk_replay_stopped");
+            x.last_error = Some(format!(
+                "bulk replay {batch} stopped after its failure limit; this job was not run"
+            ));
+            x.updated_at = now;
+            held.push(x.clone());
+        }
+    }
+    drop(inner);
+    let a = audit(
+        "replay",
+        &batch,
+        "gateway",
+        "bulk_replay_stopped",
+        "the stop condition was reached",
+        serde_json::json!([{"name": "held_back", "value": held.len()}]),
+    );
+    st.alert(
+        crate::state::Severity::Warning,
+        format!("Bulk replay {batch} stopped"),
+        format!(
+            "Its failure limit was reached; {} job(s) not yet run went back to the dead letter.",
+            held.len()
+        ),
+        None,
+    );
+    Some((held, a))
+}
+
+/// Starts a bulk replay's stop condition.
+pub fn open_batch(st: &AppState, batch: &str, stop_after_failures: u32) {
+    st.jobs.lock().batches.insert(
+        batch.to_owned(),
+        Batch {
+            stop_after_failures,
+            failures: 0,
+            stopped: false,
+        },
+    );
+}
+
+pub fn new_id() -> String {
+    new_job_id()
+}
