@@ -443,3 +443,138 @@ test('the cost view shows real spend; an operator tops up a balance and makes a 
   assert.ok(!(await p.getByTestId('keys').textContent()).includes(secret))
   await p.context().close()
 })
+
+test('an operator approves an owner-review job and replays a dead letter through the reviewed form', async () => {
+  // spec: J6, K3, L1, L3
+  // A gateway of its own, without demo traffic: the scripted faults below go to this test's jobs only.
+  const data = mkdtempSync(join(tmpdir(), 'spillway-e2e-jobs-'))
+  const g = await ownGateway(data)
+  after(() => g.proc.kill('SIGKILL'))
+  const token = readFileSync(join(data, 'admin-token'), 'utf8').trim()
+  const admin = async (path, body) => {
+    const r = await fetch(`${g.url}${path}`, {
+      method: body === undefined ? 'GET' : 'POST',
+      headers: { Authorization: `Bearer ${token}`, 'content-type': 'application/json' },
+      body: body === undefined ? undefined : JSON.stringify(body),
+    })
+    return { status: r.status, body: await r.json().catch(() => null) }
+  }
+  // Both OpenAI channels serve gpt-4o-mini: a run fails over from one to the other, so both are scripted.
+  const OPENAI = ['openai-sim', 'openai-sim-b']
+  const script = async (fault, times) => {
+    for (const ch of OPENAI) await setSimAt(g.sim, ch, { latency_ms: 20, script: [{ fault, times }] })
+  }
+  const healthy = async () => {
+    for (const ch of OPENAI) await setSimAt(g.sim, ch, { latency_ms: 20 })
+  }
+  const channelStates = async () => {
+    const ov = (await admin('/admin/v1/overview')).body
+    return Object.fromEntries(OPENAI.map((n) => [n, ov.channels.find((c) => c.name === n)?.health.state]))
+  }
+  const submit = async (content) => {
+    const r = await fetch(`${g.url}/v1/chat/completions`, {
+      method: 'POST',
+      headers: {
+        Authorization: `Bearer ${g.key}`, 'content-type': 'application/json',
+        prefer: 'respond-async', 'x-spillway-workflow': 'default',
+      },
+      body: JSON.stringify({ model: 'gpt-4o-mini', messages: [{ role: 'user', content }] }),
+    })
+    assert.equal(r.status, 202)
+    return (await r.json()).job_id
+  }
+  try {
+    // A dead letter: 503s until the default workflow's 3 attempts are spent.
+    await script({ kind: 'status', status: 503 }, 20)
+    const deadId = await submit('nightly report, part 1')
+    await until('the job in the dead letter', async () =>
+      (await admin('/admin/v1/dead-letters')).body?.some((j) => j.job_id === deadId), 60_000)
+    // Channels cooled down by the 503s come back by themselves.
+    await healthy()
+    await until('the OpenAI channels back in rotation', async () =>
+      Object.values(await channelStates()).every((s) => s === 'ready' || s === 'recovering'), 60_000)
+
+    // An owner review: the provider says the quota is spent (`insufficient_quota`) wherever the run goes.
+    await script({ kind: 'status', status: 429, error: 'quota' }, 1)
+    const reviewId = await submit('nightly report, part 2')
+    await until('the job in owner review', async () =>
+      (await admin('/admin/v1/reviews')).body?.some((j) => j.job_id === reviewId), 60_000)
+    // The quota is raised: the channels it ejected go back into rotation before the owner approves.
+    await healthy()
+    for (const [name, state] of Object.entries(await channelStates())) {
+      if (state !== 'ready') {
+        const r = await admin(`/admin/v1/channels/${name}/restore`, { actor: 'e2e owner', reason: 'quota raised' })
+        assert.equal(r.status, 200, JSON.stringify(r.body))
+      }
+    }
+
+    const p = await page()
+    await p.goto(`${g.url}/reviews#token=${token}`)
+    const row = p.getByTestId(`review-${reviewId}`)
+    await row.waitFor()
+    assert.match(await row.textContent(), /quota/)
+    await row.getByRole('link', { name: reviewId }).click()
+    const form = p.getByTestId('review-form')
+    await form.waitFor()
+    assert.equal(new URL(p.url()).pathname, `/reviews/${reviewId}`)
+    await form.getByTestId('review-reviewer').fill('e2e owner')
+    await form.getByTestId('review-reason').fill('')
+    assert.equal(await p.getByTestId('review-approve').isDisabled(), true, 'no reason, no approval')
+    assert.equal(await p.getByTestId('review-reject').isDisabled(), true, 'no reason, no rejection')
+    assert.match(await p.getByTestId('review-missing').textContent(), /reason/)
+    await accessible(p, 'the owner-review inbox')
+    await p.screenshot({ path: join(SHOTS, 'reviews-browser.png'), fullPage: true })
+    await form.getByTestId('review-reason').fill('quota raised for the nightly run')
+    await p.getByTestId('review-approve').click()
+    assert.match(await p.getByTestId('review-result').textContent(), /Approved .*audit log/)
+    await until('the job to leave the inbox', async () => (await p.getByTestId(`review-${reviewId}`).count()) === 0)
+    const approved = (await admin(`/admin/v1/audit?kind=job&subject=${reviewId}`)).body
+    assert.equal(approved[0].action, 'review_approved')
+    assert.equal(approved[0].actor, 'e2e owner')
+
+    // The provider is healthy: the dead letter is replayed through the reviewed form.
+    await healthy()
+    await p.goto(`${g.url}/dead-letters`)
+    const dl = p.getByTestId(`deadletter-${deadId}`)
+    await dl.waitFor()
+    await dl.getByRole('link', { name: deadId }).click()
+    await p.getByTestId('deadletter-detail').waitFor()
+    assert.match(await p.getByTestId('idempotency-result').textContent(), /no_side_effect_recorded/)
+    assert.match(await p.getByTestId('cost-estimate').textContent(), /estimated at (\$[\d.,]+|unknown).*pricing version/)
+    assert.ok((await p.getByTestId('deadletter-runs').locator('tbody tr').count()) >= 1, 'its runs are the evidence')
+    const replay = p.getByTestId('replay-submit')
+    assert.equal(await replay.isDisabled(), true, 'nothing filled, no replay')
+    await p.getByTestId('replay-owner').fill('e2e owner')
+    await p.getByTestId('replay-kind').selectOption('provider_recovered')
+    await p.getByTestId('replay-reason').fill('the provider recovered from its 503s')
+    await p.getByTestId('replay-route-openai/gpt-4o-mini').check()
+    assert.equal(await replay.isDisabled(), true, 'the estimate is not reviewed yet')
+    assert.match(await p.getByTestId('replay-missing').textContent(), /cost review/)
+    await p.getByTestId('replay-cost-reviewed').check()
+    assert.equal(await replay.isDisabled(), false)
+    await accessible(p, 'the dead-letter inbox')
+    await p.screenshot({ path: join(SHOTS, 'dead-letters-browser.png'), fullPage: true })
+    await replay.click()
+    const result = p.getByTestId('replay-result')
+    await result.waitFor()
+    const said = await result.textContent()
+    const made = said.match(/as job (job_[0-9a-f]+)/)
+    assert.ok(made, said)
+    const newId = made[1]
+    const done = await until('the replay to succeed', async () => {
+      const r = await fetch(`${g.url}/spillway/v1/jobs/${newId}`, { headers: { Authorization: `Bearer ${g.key}` } })
+      const j = await r.json()
+      return j.state === 'succeeded' ? j : null
+    }, 60_000)
+    assert.ok(Array.isArray(done.result?.choices), JSON.stringify(done.result))
+    assert.equal(done.replay_of, deadId)
+    await until('the console to follow it to the end', async () => /succeeded/.test((await p.getByTestId('replay-state').textContent()) ?? ''))
+    const audit = (await admin(`/admin/v1/audit?kind=replay&subject=${deadId}`)).body
+    assert.equal(audit[0].action, 'replayed')
+    assert.equal(audit[0].actor, 'e2e owner')
+    assert.match(audit[0].reason, /provider_recovered: the provider recovered/)
+    await p.context().close()
+  } finally {
+    g.proc.kill('SIGTERM')
+  }
+})

@@ -1,11 +1,15 @@
 import { useEffect, useState } from 'react'
 import type { Connection } from './api'
 import { BreakersView } from './Breakers'
+import { AuditView } from './Audit'
 import { ConnectView } from './Connect'
 import { CostsView } from './Costs'
+import { DeadLettersView } from './DeadLetters'
 import { KeysView } from './Keys'
 import { LedgerView } from './Ledger'
 import { OverviewView } from './Overview'
+import { PoliciesView } from './Policies'
+import { ReviewsView } from './Reviews'
 import { UnknownsView } from './Unknowns'
 import { linkProps, navigate, useRoute } from './router'
 
@@ -40,6 +44,10 @@ export function App() {
       if (e.key === '4') navigate({ view: 'unknowns', id: null })
       if (e.key === '5') navigate({ view: 'costs' })
       if (e.key === '6') navigate({ view: 'keys' })
+      if (e.key === '7') navigate({ view: 'reviews', id: null })
+      if (e.key === '8') navigate({ view: 'deadletters', id: null })
+      if (e.key === '9') navigate({ view: 'policies', workflow: null })
+      if (e.key === '0') navigate({ view: 'audit' })
     }
     window.addEventListener('keydown', onKey)
     return () => window.removeEventListener('keydown', onKey)
@@ -69,6 +77,10 @@ export function App() {
           <a {...linkProps({ view: 'unknowns', id: null })} aria-current={route.view === 'unknowns' ? 'page' : undefined} title="Unknown outcomes (4)">Unknowns</a>
           <a {...linkProps({ view: 'costs' })} aria-current={route.view === 'costs' ? 'page' : undefined} title="Costs, budgets and balances (5)">Costs</a>
           <a {...linkProps({ view: 'keys' })} aria-current={route.view === 'keys' ? 'page' : undefined} title="Keys (6)">Keys</a>
+          <a {...linkProps({ view: 'reviews', id: null })} aria-current={route.view === 'reviews' ? 'page' : undefined} title="Owner review: background jobs held for a person (7)">Reviews</a>
+          <a {...linkProps({ view: 'deadletters', id: null })} aria-current={route.view === 'deadletters' ? 'page' : undefined} title="Dead letters: background jobs that gave up, and their reviewed replays (8)">Dead letters</a>
+          <a {...linkProps({ view: 'policies', workflow: null })} aria-current={route.view === 'policies' ? 'page' : undefined} title="Workflow policies and their versions (9)">Policies</a>
+          <a {...linkProps({ view: 'audit' })} aria-current={route.view === 'audit' ? 'page' : undefined} title="Audit log: every change, with who and why (0)">Audit</a>
         </nav>
         <span className="muted gateway">{conn.url}</span>
         <button className="link" onClick={() => { sessionStorage.removeItem(KEY); setConn(null) }}>Disconnect</button>
@@ -80,6 +92,10 @@ export function App() {
         {route.view === 'unknowns' && <UnknownsView conn={conn} selected={route.id} />}
         {route.view === 'costs' && <CostsView conn={conn} />}
         {route.view === 'keys' && <KeysView conn={conn} />}
+        {route.view === 'reviews' && <ReviewsView conn={conn} selected={route.id} />}
+        {route.view === 'deadletters' && <DeadLettersView conn={conn} selected={route.id} />}
+        {route.view === 'policies' && <PoliciesView conn={conn} selected={route.workflow} />}
+        {route.view === 'audit' && <AuditView conn={conn} />}
       </main>
     </>
   )

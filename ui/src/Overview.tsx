@@ -4,9 +4,10 @@ import type { LedgerFigures } from './bindings/LedgerFigures'
 import type { PruneReport } from './bindings/PruneReport'
 import type { ChannelView } from './bindings/ChannelView'
 import type { RouteControlView } from './bindings/RouteControlView'
+import type { LanesView } from './bindings/LanesView'
 import { linkProps } from './router'
 import { Chart } from './Chart'
-import { apiLabel, breakerPill, bytes, count, errorMix, ms, pct, rate, rejectReason, rotationPill, severityClass, time, usd } from './format'
+import { apiLabel, breakerPill, bytes, count, duration, errorMix, ms, pct, rate, rejectReason, rotationPill, severityClass, time, usd } from './format'
 import { useLive } from './useLive'
 import { useOperatorAction } from './actor'
 
@@ -103,6 +104,7 @@ export function OverviewView({ conn }: { conn: Connection }) {
           </tbody>
         </table>
       )}
+      <Lanes lanes={overview.lanes} />
       <h2>Channels</h2>
       <table className="grid" data-testid="channels">
         <thead>
@@ -182,6 +184,89 @@ function ChannelRow({ c, conn }: { c: ChannelView; conn: Connection }) {
         {msg && <div role="alert" className="error small">{msg.text}</div>}
       </td>
     </tr>
+  )
+}
+
+/** J1, J7: what waits where, per route, and how full each workflow's lanes are. The
+ * lanes that wait for a person link to their inbox. */
+function Lanes({ lanes }: { lanes: LanesView }) {
+  const streams = lanes.routes.reduce((n, r) => n + r.stream_recovery, 0)
+  const fill = (n: number, max: number) => {
+    const share = max > 0 ? n / max : 0
+    return (
+      <span className={share >= 0.8 ? 'warn-text' : undefined} title={`${pct(share)} full`}>
+        {count(n)} / {count(max)}
+      </span>
+    )
+  }
+  return (
+    <section data-testid="lanes" aria-labelledby="lanes-title">
+      <h2 id="lanes-title">Lanes</h2>
+      <p className="small" data-testid="lanes-summary">
+        Interactive requests waiting for capacity: <strong>{count(lanes.interactive_admission)}</strong> of at most {count(lanes.interactive_admission_max)}.
+        Streams waiting to retry before their first token: <strong>{count(streams)}</strong>.
+      </p>
+      {lanes.routes.length === 0 ? (
+        <p className="muted" data-testid="lanes-empty">Nothing is queued or held on any route.</p>
+      ) : (
+        <table className="grid" data-testid="lanes-routes">
+          <caption className="muted small">Per route, now. Owner review and dead letter wait for a person: follow the count to the inbox.</caption>
+          <thead>
+            <tr>
+              <th>Route</th>
+              <th className="num" title="Interactive requests waiting for channel capacity">Interactive admission</th>
+              <th className="num" title="Streams waiting to retry before their first token (gateway-wide; shown on the first route)">Stream recovery</th>
+              <th className="num" title="Background jobs queued or running; in brackets, running now">Background retry (running)</th>
+              <th className="num" title="Jobs held for an owner's decision (quota, spend, permission, data boundary, unknown contract or signal)">Owner review</th>
+              <th className="num" title="Jobs that gave up: out of attempts, too old, partial output sent, outcome unknown">Dead letter</th>
+            </tr>
+          </thead>
+          <tbody>
+            {lanes.routes.map((r) => (
+              <tr key={r.route} data-testid={`lanes-${r.route}`}>
+                <td>{r.route}</td>
+                <td className="num">{count(r.interactive_admission)}</td>
+                <td className="num">{count(r.stream_recovery)}</td>
+                <td className="num">{count(r.background_retry)} ({count(r.running)})</td>
+                <td className="num">
+                  <a {...linkProps({ view: 'reviews', id: null })} className={r.owner_review > 0 ? 'warn-text' : undefined}
+                    aria-label={`${count(r.owner_review)} awaiting owner review on ${r.route}: open the inbox`} data-testid="lane-owner-review">{count(r.owner_review)}</a>
+                </td>
+                <td className="num">
+                  <a {...linkProps({ view: 'deadletters', id: null })} className={r.dead_letter > 0 ? 'error' : undefined}
+                    aria-label={`${count(r.dead_letter)} dead letters on ${r.route}: open the inbox`} data-testid="lane-dead-letter">{count(r.dead_letter)}</a>
+                </td>
+              </tr>
+            ))}
+          </tbody>
+        </table>
+      )}
+      {lanes.workflows.length > 0 && (
+        <table className="grid lanes-workflows" data-testid="lanes-workflows">
+          <caption className="muted small">Per workflow: each lane's length against its maximum (a full lane refuses new jobs with 429)</caption>
+          <thead>
+            <tr>
+              <th>Workflow</th><th>Version</th><th className="num">Background retry</th><th className="num">Owner review</th>
+              <th className="num">Dead letter</th><th className="num" title="Runs at once per concurrency key">Max concurrency</th>
+              <th className="num" title="A job older than this goes to the dead letter">Max queue age</th>
+            </tr>
+          </thead>
+          <tbody>
+            {lanes.workflows.map((w) => (
+              <tr key={w.workflow} data-testid={`lanes-workflow-${w.workflow}`}>
+                <td><a {...linkProps({ view: 'policies', workflow: w.workflow })}>{w.workflow}</a></td>
+                <td className="mono small">{w.version}</td>
+                <td className="num">{fill(w.background_retry, w.background_retry_max)}</td>
+                <td className="num">{fill(w.owner_review, w.owner_review_max)}</td>
+                <td className="num">{fill(w.dead_letter, w.dead_letter_max)}</td>
+                <td className="num">{count(w.max_concurrency)}</td>
+                <td className="num">{duration(w.max_queue_age_ms)}</td>
+              </tr>
+            ))}
+          </tbody>
+        </table>
+      )}
+    </section>
   )
 }
 

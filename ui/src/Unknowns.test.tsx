@@ -16,7 +16,7 @@ const request: RequestRecord = {
   served_model: 'gpt-4o-mini', stream: false, state: 'unknown', http_status: null, error_class: 'interrupted',
   error_message: 'the gateway stopped while this request was calling the provider', input_tokens: null,
   output_tokens: null, cached_input_tokens: null, reasoning_tokens: null, cache_write_tokens: null, cost_usd: null,
-  estimated_input_tokens: 812, estimated_cost_usd: 0.0021, failed_cost_usd: null, pricing_version: null, received_at: now - 3 * 3600_000,
+  estimated_input_tokens: 812, estimated_cost_usd: 0.0021, failed_cost_usd: null, pricing_version: null, policy_version: null, job_id: null, received_at: now - 3 * 3600_000,
   admitted_at: now - 3 * 3600_000 + 5, first_token_at: null, finished_at: null, queued_ms: null, attempts: 2,
   body_sha256: 'ab', partial_output_committed: false, next_ready_at: null, idempotency_key: 'invoice-42', replay_of: null, response_id: null,
   resolution: null,

@@ -26,14 +26,26 @@ import type { MadeKey } from './bindings/MadeKey'
 import type { SpendLimitAction } from './bindings/SpendLimitAction'
 import type { TopUp } from './bindings/TopUp'
 import type { OwnerView } from './bindings/OwnerView'
+import type { LanesView } from './bindings/LanesView'
+import type { JobView } from './bindings/JobView'
+import type { JobDetail } from './bindings/JobDetail'
+import type { JobFilter } from './bindings/JobFilter'
+import type { DeadLetterDetail } from './bindings/DeadLetterDetail'
+import type { IdempotencyResult } from './bindings/IdempotencyResult'
+import type { BulkPreview } from './bindings/BulkPreview'
+import type { BulkRefused } from './bindings/BulkRefused'
+import type { PoliciesView } from './bindings/PoliciesView'
 
 export type Connection = { url: string; token: string }
 
 export class ApiError extends Error {
   status: number
-  constructor(status: number, message: string) {
+  /** The fields a refused form is missing, when the gateway names them (a 422 FormError). */
+  missingFields: string[]
+  constructor(status: number, message: string, missingFields: string[] = []) {
     super(message)
     this.status = status
+    this.missingFields = missingFields
   }
 }
 
@@ -49,13 +61,15 @@ async function call<T>(conn: Connection, path: string, init?: RequestInit): Prom
   }
   if (!resp.ok) {
     let msg = `HTTP ${resp.status}`
+    let missing: string[] = []
     try {
       const body = await resp.json()
       if (body && typeof body.error === 'string') msg = body.error
+      if (body && Array.isArray(body.missing_fields)) missing = body.missing_fields.filter((f: unknown): f is string => typeof f === 'string')
     } catch {
       /* not JSON */
     }
-    throw new ApiError(resp.status, msg)
+    throw new ApiError(resp.status, msg, missing)
   }
   return (await resp.json()) as T
 }
@@ -137,6 +151,115 @@ export const setSpendLimit = (c: Connection, name: string, a: SpendLimitAction) 
 /** B4: adds money to an owner's balance (a deficit is taken from it first). */
 export const topUp = (c: Connection, owner: string, t: TopUp) =>
   call<OwnerView>(c, `/admin/v1/owners/${encodeURIComponent(owner)}/top-up`, post(t))
+
+/** J1, J7: lane depths per route and per workflow. */
+export const getLanes = (c: Connection) => call<LanesView>(c, '/admin/v1/lanes')
+
+/** The job lists' server-side filters; empty ones are left out of the query. */
+export type JobQuery = {
+  state?: string | null
+  lane?: string | null
+  route?: string | null
+  owner?: string | null
+  workflow?: string | null
+  /** The last error's class, or the reason the job is in its lane. */
+  error_class?: string | null
+  min_age_ms?: number | null
+  max_age_ms?: number | null
+  limit?: number | null
+}
+
+function jobQuery(q: JobQuery): string {
+  const p = new URLSearchParams()
+  for (const [k, v] of Object.entries(q)) {
+    if (v !== null && v !== undefined && v !== '') p.set(k, String(v))
+  }
+  const s = p.toString()
+  return s ? `?${s}` : ''
+}
+
+/** J1: jobs, open ones and recently ended ones, newest first. */
+export const getJobs = (c: Connection, q: JobQuery) => call<JobView[]>(c, `/admin/v1/jobs${jobQuery(q)}`)
+
+/** A job with its runs (requests and their attempts). */
+export const getJob = (c: Connection, id: string) => call<JobDetail>(c, `/admin/v1/jobs/${encodeURIComponent(id)}`)
+
+/** K3: the owner-review inbox, newest first. */
+export const getReviews = (c: Connection, q: JobQuery) => call<JobView[]>(c, `/admin/v1/reviews${jobQuery(q)}`)
+
+/** K3: an owner's approval; `route` null keeps the job's route. */
+export type ApproveForm = { reviewer: string; reason: string; route: string | null }
+export type RejectForm = { reviewer: string; reason: string }
+
+export const approveReview = (c: Connection, id: string, f: ApproveForm) =>
+  call<JobView>(c, `/admin/v1/reviews/${encodeURIComponent(id)}/approve`, post(f))
+
+export const rejectReview = (c: Connection, id: string, f: RejectForm) =>
+  call<JobView>(c, `/admin/v1/reviews/${encodeURIComponent(id)}/reject`, post(f))
+
+/** L1: the dead-letter inbox, newest first. */
+export const getDeadLetters = (c: Connection, q: JobQuery) => call<JobView[]>(c, `/admin/v1/dead-letters${jobQuery(q)}`)
+
+/** L1: a dead letter with its evidence, idempotency result, estimates and route choices. */
+export const getDeadLetter = (c: Connection, id: string) =>
+  call<DeadLetterDetail>(c, `/admin/v1/dead-letters/${encodeURIComponent(id)}`)
+
+/** Why an owner replays dead letters (L1). */
+export const REPLAY_REASONS = ['provider_recovered', 'product_bug_fixed', 'quota_changed', 'owner_override'] as const
+export type ReplayReasonKind = (typeof REPLAY_REASONS)[number]
+export type ReplayReason = { kind: ReplayReasonKind; text: string }
+
+/** L1: the reviewed replay form; every field is required. */
+export type ReplayForm = {
+  replay_owner: string
+  replay_reason: ReplayReason
+  route_override: string
+  /** As the form showed it: the gateway refuses the replay if the ledger now says otherwise. */
+  idempotency_result: IdempotencyResult
+  /** The chosen route's estimate as shown; null when it was shown as unknown. */
+  cost_reviewed: { estimated_cost_usd: number | null }
+}
+export type Replayed = { job_id: string; replay_of: string; status_url: string }
+
+export const replayDeadLetter = (c: Connection, id: string, f: ReplayForm) =>
+  call<Replayed>(c, `/admin/v1/dead-letters/${encodeURIComponent(id)}/replay`, post(f))
+
+/** L2: what a bulk replay over `filter` would do. */
+export const previewBulkReplay = (c: Connection, filter: JobFilter) =>
+  call<BulkPreview>(c, '/admin/v1/dead-letters/replay-preview', post({ filter }))
+
+/** L2: a bulk replay, each job on its own route, with the previewed total and a stop condition. */
+export type BulkReplayForm = {
+  filter: JobFilter
+  replay_owner: string
+  replay_reason: ReplayReason
+  cost_reviewed: { total_estimated_cost_usd: number | null }
+  stop_after_failures: number
+}
+export type BulkReplayed = {
+  batch_id: string
+  replayed: { dead_letter: string; job_id: string }[]
+  refused: BulkRefused[]
+  stop_after_failures: number
+  total_estimated_cost_usd: number | null
+}
+
+export const bulkReplay = (c: Connection, f: BulkReplayForm) => call<BulkReplayed>(c, '/admin/v1/dead-letters/replay', post(f))
+
+/** J8: the workflow policies in force, their recorded versions and invalid edits. */
+export const getPolicies = (c: Connection) => call<PoliciesView>(c, '/admin/v1/policies')
+
+export type PolicyText = { workflow: string; version: string; source: string; loaded_at: number; text: string }
+
+/** J8: one recorded version's text. */
+export const getPolicyText = (c: Connection, workflow: string, version: string) =>
+  call<PolicyText>(c, `/admin/v1/policies/${encodeURIComponent(workflow)}/versions/${encodeURIComponent(version)}`)
+
+export type RollbackForm = { version: string; actor: string; reason: string }
+
+/** J8: puts a recorded version back (written to the workflow's file and applied). */
+export const rollbackPolicy = (c: Connection, workflow: string, f: RollbackForm) =>
+  call<{ workflow: string; version: string }>(c, `/admin/v1/policies/${encodeURIComponent(workflow)}/rollback`, post(f))
 
 export type LiveEvent =
   | { kind: 'overview'; data: Overview }

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest'
-import { count, decision, errorMix, failureClass, money, ms, pct, rate, rotationPill, usd } from './format'
+import { count, decision, errorMix, failureClass, jobReason, lastError, money, ms, pct, rate, rotationPill, usd } from './format'
 
 describe('units', () => {
   it('formats latency with units', () => {
@@ -62,5 +62,21 @@ describe('failover words', () => {
     expect(failureClass('interrupted')).toBe('cut by a stop (outcome unknown)')
     expect(failureClass(null)).toBe('—')
     expect(rotationPill('ejected')).toBe('pill bad')
+  })
+})
+
+describe('background jobs', () => {
+  it('shows a job\'s last error as class: message, trimmed', () => {
+    expect(lastError('overload', 'HTTP 503\n  from openai-sim')).toBe('overload: HTTP 503 from openai-sim')
+    expect(lastError('server_error', 'x'.repeat(200), 40)).toHaveLength(40)
+    expect(lastError('server_error', 'x'.repeat(200), 40).endsWith('…')).toBe(true)
+    expect(lastError(null, null)).toBe('—')
+    expect(lastError('quota', null)).toBe('quota')
+  })
+  it('says why a job is in its lane in words, and passes unknown reasons through', () => {
+    expect(jobReason('quota_or_spend_exhausted')).toBe('quota or spend exhausted')
+    expect(jobReason('max_attempts_exhausted')).toBe('attempts exhausted')
+    expect(jobReason('fallback to openai/gpt-4o')).toBe('fallback to openai/gpt-4o')
+    expect(jobReason(null)).toBe('—')
   })
 })

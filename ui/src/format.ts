@@ -124,6 +124,7 @@ const GATEWAY_CLASS: Record<GatewayClass, string> = {
   insufficient_balance: 'owner balance spent',
   spend_limit: 'key spend limit reached',
   daily_budget: 'owner daily budget spent',
+  lane_full: 'job lane full',
 }
 
 export function failureClass(c: FailureClass | null): string {
@@ -288,4 +289,45 @@ export function age(at: number | null | undefined, now: number): string {
   if (s < 90 * 60) return `${Math.round(s / 60)} min`
   if (s < 48 * 3600) return `${Math.round(s / 3600)} h`
   return `${Math.round(s / 86400)} d`
+}
+
+/** Why a background job is in its lane (J6's triggers, as the gateway records them), in words. */
+const JOB_REASON: Record<string, string> = {
+  quota_or_spend_exhausted: 'quota or spend exhausted',
+  permission_denied: 'permission denied',
+  data_boundary_mismatch: 'data boundary mismatch',
+  fallback_contract_unknown: 'fallback contract unknown',
+  fallback_contract_mismatch: 'fallback contract does not hold',
+  unknown_signal: 'an answer the gateway cannot classify',
+  max_attempts_exhausted: 'attempts exhausted',
+  max_queue_age_exceeded: 'too old: queue age exceeded',
+  partial_output_committed: 'partial output already sent',
+  outcome_unknown: 'outcome unknown',
+  retry_after_exceeds_deadline: "the provider's wait is past the job's deadline",
+  bulk_replay_stopped: 'its bulk replay stopped before running it',
+  invalid_request: 'invalid request',
+}
+
+/** The reasons and classes a job list can be filtered by, for the filter's suggestions. */
+export const JOB_FILTER_CODES: string[] = [
+  ...Object.keys(JOB_REASON),
+  ...Object.keys(ERROR_CLASS).filter((c) => c !== 'success'),
+]
+
+export function jobReason(r: string | null | undefined): string {
+  if (!r) return '—'
+  return JOB_REASON[r] ?? r
+}
+
+/** `text` cut to `max` characters, with an ellipsis when cut. */
+export function trimmed(text: string, max: number): string {
+  return text.length > max ? `${text.slice(0, Math.max(0, max - 1))}…` : text
+}
+
+/** A job's last error as `class: message`, trimmed (Sidekiq's dead set shows it so). */
+export function lastError(type: string | null, message: string | null, max = 90): string {
+  if (!type && !message) return '—'
+  if (!type) return trimmed(message ?? '', max)
+  if (!message) return type
+  return trimmed(`${type}: ${message.replace(/\s+/g, ' ')}`, max)
 }

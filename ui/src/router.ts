@@ -9,6 +9,10 @@ export type Route =
   | { view: 'unknowns'; id: string | null }
   | { view: 'costs' }
   | { view: 'keys' }
+  | { view: 'reviews'; id: string | null }
+  | { view: 'deadletters'; id: string | null }
+  | { view: 'policies'; workflow: string | null }
+  | { view: 'audit' }
 
 export function parse(path: string): Route {
   const parts = path.split('/').filter(Boolean).map(decodeURIComponent)
@@ -17,6 +21,10 @@ export function parse(path: string): Route {
   if (parts[0] === 'unknowns') return { view: 'unknowns', id: parts[1] ?? null }
   if (parts[0] === 'costs') return { view: 'costs' }
   if (parts[0] === 'keys') return { view: 'keys' }
+  if (parts[0] === 'reviews') return { view: 'reviews', id: parts[1] ?? null }
+  if (parts[0] === 'dead-letters') return { view: 'deadletters', id: parts[1] ?? null }
+  if (parts[0] === 'policies') return { view: 'policies', workflow: parts[1] ?? null }
+  if (parts[0] === 'audit') return { view: 'audit' }
   return { view: 'overview' }
 }
 
@@ -35,6 +43,14 @@ export function href(r: Route): string {
       return '/costs'
     case 'keys':
       return '/keys'
+    case 'reviews':
+      return r.id ? `/reviews/${encodeURIComponent(r.id)}` : '/reviews'
+    case 'deadletters':
+      return r.id ? `/dead-letters/${encodeURIComponent(r.id)}` : '/dead-letters'
+    case 'policies':
+      return r.workflow ? `/policies/${encodeURIComponent(r.workflow)}` : '/policies'
+    case 'audit':
+      return '/audit'
   }
 }
 

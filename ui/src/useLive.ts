@@ -70,6 +70,9 @@ export function useLive(conn: Connection): LiveState {
                     control: t.control,
                     rejections: t.rejections,
                     ledger: t.ledger,
+                    // Read every 10 s on the gateway: a tick before the first reading keeps the last one.
+                    ledger_figures: t.ledger_figures ?? prev.overview.ledger_figures,
+                    lanes: t.lanes,
                     series,
                   },
                 }
