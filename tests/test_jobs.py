@@ -536,3 +536,32 @@ def test_l2_bulk_replay_shows_the_total_first_and_stops_after_its_failure_limit(
     _, _, audit = admin(gw, "GET", "/admin/v1/audit?kind=replay")
     assert {a["action"] for a in audit} >= {"bulk_replayed", "bulk_replay_stopped"}
     gw.sim.set(ch)
+
+
+def test_j2_the_embedded_demo_fills_both_inboxes_within_two_minutes(tmp_path):
+    # spec: J2, J6, K3, L1
+    import subprocess
+    from conftest import BIN, clean_env, read_line
+    data = tmp_path / "data"
+    # What `make run` starts: the embedded default with demo traffic at its default rate.
+    proc = subprocess.Popen([str(BIN), "serve", "--listen", "127.0.0.1:0", "--demo-traffic"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=clean_env(SPILLWAY_DATA_DIR=str(data)))
+    try:
+        url = read_line(proc, "spillway listening on ").split()[-1]
+        token = (data / "admin-token").read_text().strip()
+        h = {"authorization": f"Bearer {token}"}
+        seen = {}
+
+        def both():
+            seen["dead"] = call("GET", url + "/admin/v1/dead-letters", headers=h)[2]
+            seen["review"] = call("GET", url + "/admin/v1/reviews", headers=h)[2]
+            return seen["dead"] and seen["review"]
+
+        assert wait_for(both, timeout=120), {k: len(v or []) for k, v in seen.items()}
+        assert {d["reason"] for d in seen["dead"]} <= {"max_attempts_exhausted", "max_queue_age_exceeded"}
+        assert {r["reason"] for r in seen["review"]} == {"quota_or_spend_exhausted"}
+        # The operator has real evidence and a real form to practise on.
+        code, _, d = call("GET", f"{url}/admin/v1/dead-letters/{seen['dead'][0]['job_id']}", headers=h)
+        assert code == 200 and d["replayable"] and d["evidence"]
+    finally:
+        stop(proc)

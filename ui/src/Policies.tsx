@@ -15,7 +15,7 @@ import { useOperatorAction } from './actor'
 function readOnlyWhy(p: PolicyView, dir: string | null): string | null {
   if (p.editable) return null
   return dir === null
-    ? 'Read-only: the built-in policies run (no policy directory). Start the gateway with --workflows DIR to edit and roll back policies.'
+    ? 'Read-only: the built-in policies run (no policy directory). Set `workflows: DIR` in the gateway config to edit and roll back policies.'
     : `Read-only: ${p.workflow} is built in, not read from a file in ${dir}. Add a file for it there to edit it.`
 }
 
@@ -38,7 +38,7 @@ export function PoliciesView({ conn, selected }: { conn: Connection; selected: s
       )}
       <p className="muted" data-testid="policies-source">
         {v.dir === null
-          ? 'The built-in policies run; they are read-only. Start the gateway with --workflows DIR to edit policies and roll them back.'
+          ? 'The built-in policies run; they are read-only. Set `workflows: DIR` in the gateway config to edit policies and roll them back.'
           : <>Read from <code>{v.dir}</code>: a valid edit to a file there applies within seconds; an invalid one is refused and listed above.</>}
       </p>
       <table className="grid selectable" data-testid="policies">

@@ -152,6 +152,7 @@ const STOP: Record<StopReason, string> = {
   retry_budget_exhausted: "the route's retry budget was spent",
   breaker_open: "the route's breaker opened",
   provider_may_have_acted: 'the provider may already have acted (a hosted tool or background run)',
+  lane_full: 'the stream-recovery lane was full',
 }
 
 /** What happened after an attempt, in words (F2 decisions). */

@@ -116,9 +116,19 @@ fn simulated_targets(config: &Config) -> Vec<Target> {
         .iter()
         .filter(|c| c.simulated.is_some())
         .flat_map(|c| {
-            c.models.iter().filter(|m| *m != "*").map(|m| Target {
+            // The demo's `*-batch-sim` channels take background jobs only: the OpenAI one
+            // under the built-in default workflow, the others under support_summary.
+            let background = c.simulated.as_deref().filter(|n| n.contains("-batch")).map(|_| {
+                if c.format == spillway_wire::Format::OpenAi {
+                    "default".to_owned()
+                } else {
+                    "support_summary".to_owned()
+                }
+            });
+            c.models.iter().filter(|m| *m != "*").map(move |m| Target {
                 format: c.format,
                 model: m.clone(),
+                background: background.clone(),
             })
         })
         .collect();
@@ -236,9 +246,23 @@ mod tests {
     fn the_embedded_default_targets_only_simulated_models() {
         let c = Config::parse(Path::new("demo.yaml"), EMBEDDED_DEFAULT, &|_| None, &new_demo_secret).unwrap();
         let t = simulated_targets(&c);
-        // Two chat models per format, and an embedding model each for OpenAI and Gemini.
-        assert_eq!(t.len(), 8);
+        // Two chat models per format, and an embedding model each for OpenAI and Gemini;
+        // and two models only background jobs go to (J2), one failing often (dead
+        // letters), one whose quota runs out now and then (owner review).
+        assert_eq!(t.len(), 10);
         assert_eq!(t.iter().filter(|t| t.embeds()).count(), 2);
+        let jobs: Vec<(&str, Option<&str>)> = t
+            .iter()
+            .filter(|t| t.background.is_some())
+            .map(|t| (t.model.as_str(), t.background.as_deref()))
+            .collect();
+        assert_eq!(
+            jobs,
+            [
+                ("gpt-4.1-nano", Some("default")),
+                ("claude-sonnet-4", Some("support_summary"))
+            ]
+        );
         assert_eq!(c.generated.len(), 1);
         assert!(c.generated[0].secret.starts_with("sk-spillway-demo-"));
     }

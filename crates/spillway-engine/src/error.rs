@@ -173,7 +173,7 @@ pub enum GatewayError {
     JobNeedsIdempotencyKey { workflow: String },
     /// J7: the lane the job would enter is full.
     #[error(
-        "The `{lane}` lane of workflow `{workflow}` is full ({length} of {max}); the job was not accepted. {advice}"
+        "The `{lane}` lane of workflow `{workflow}` is full ({length} of {max}); this work was not accepted. {advice}"
     )]
     LaneFull {
         lane: &'static str,

@@ -56,6 +56,11 @@ pub struct Ctx {
     /// F3, J8: upstream attempts this request may make (its workflow's, the config's, or
     /// one for a job's run).
     pub max_attempts: u32,
+    /// J8: the request's workflow (J1, J7: its stream-recovery lane is where a stream
+    /// waits to retry).
+    pub workflow: Arc<spillway_policy::Workflow>,
+    /// A job's run: its workflow's `attempt_timeout_ms` instead of the channel's.
+    pub attempt_timeout: Option<Duration>,
 }
 
 /// What one upstream call brought back.
@@ -293,6 +298,33 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
                 ready_at.saturating_duration_since(now)
             }
         };
+        // J1, J7: a stream waiting to retry before its first token is in the
+        // stream-recovery lane; a full lane ends it now rather than queue it.
+        let recovering = if ctx.parsed.stream {
+            let max = ctx.workflow.stream_recovery.max_length;
+            match st.jobs.enter_stream_recovery(max) {
+                Some(g) => Some(g),
+                None => {
+                    att.decision = Some(Recorded::FailClosed);
+                    att.decision_reason = Some(Stop::LaneFull);
+                    let err = GatewayError::LaneFull {
+                        lane: crate::jobs::STREAM_RECOVERY,
+                        workflow: ctx.workflow.name.clone(),
+                        length: max as usize,
+                        max,
+                        advice: "Retry after the indicated delay.",
+                        retry_after_s: crate::error::retry_after_secs(delay),
+                    };
+                    return End::Error {
+                        err,
+                        class: Some(signal.class),
+                        att: Some(att),
+                    };
+                }
+            }
+        } else {
+            None
+        };
         att.delay_ms = Some(clock::ms(delay));
         let ready_at = clock::now().plus(delay);
         att.ready_at = Some(ready_at);
@@ -307,6 +339,7 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
             _ = tokio::time::sleep(delay) => {}
             _ = ctx.client_gone.cancelled() => return End::refused(GatewayError::ClientGone),
         }
+        drop(recovering);
 
         let now = Instant::now();
         let max_wait = ctx.capacity_wait_left.min(ctx.deadline.saturating_duration_since(now));

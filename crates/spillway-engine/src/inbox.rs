@@ -375,8 +375,10 @@ async fn approve(State(st): State<Arc<AppState>>, Path(id): Path<String>, body: 
             "route": route, "at": now, "trigger": from})
         .to_string(),
     );
-    if let Some(r) = route.filter(|r| *r != j.route) {
-        j.route_override = Some(r);
+    // A route named sends the job there (its own route clears an earlier fallback);
+    // none keeps the route it was on.
+    if let Some(r) = route {
+        j.route_override = (r != j.route).then_some(r);
     }
     // A fresh attempt budget and queue age: the owner decided it should run now.
     j.lane = Some(BACKGROUND.into());

@@ -656,6 +656,8 @@ async fn handle<C: Caller>(
         probe,
         conversation,
         max_attempts,
+        workflow,
+        attempt_timeout: job_run.as_ref().map(|j| j.deadline),
     };
     // Dropped when the client hangs up (or when the answer is sent, when it no longer matters).
     let _hang_up = HangUp(client_gone);

@@ -73,7 +73,18 @@ pub struct JobRun {
     pub key: Arc<KeyRt>,
     pub workflow: Arc<Workflow>,
     pub deadline: Duration,
-    pub sink: Arc<Mutex<Option<RequestRecord>>>,
+    pub sink: Arc<Mutex<Option<RunReport>>>,
+}
+
+/// How a run ended, handed back by the run's request as it closes.
+#[derive(Clone, Debug)]
+pub struct RunReport {
+    pub rec: RequestRecord,
+    /// The provider's own wait hint on the last failed attempt (F1); the gateway's
+    /// `retry-after` on its answer is not one.
+    pub provider_hint_ms: Option<u64>,
+    /// Why the attempt loop stopped, when it failed closed.
+    pub stop: Option<spillway_ledger::StopReason>,
 }
 
 /// A bulk replay's stop condition (L2).
@@ -188,6 +199,15 @@ impl JobView {
             replay: j.replay.clone(),
             result_status: j.result_status,
         }
+    }
+}
+
+/// A stream's place in the stream-recovery lane, given back when dropped.
+pub struct StreamRecovery<'a>(&'a AtomicU32);
+
+impl Drop for StreamRecovery<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -364,6 +384,14 @@ impl Jobs {
             first.stream_recovery = self.stream_recovery.load(Ordering::Relaxed);
         }
         v
+    }
+
+    /// J1, J7: a place in the stream-recovery lane, while there is one.
+    pub fn enter_stream_recovery(&self, max: u32) -> Option<StreamRecovery<'_>> {
+        self.stream_recovery
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
+            .ok()
+            .map(|_| StreamRecovery(&self.stream_recovery))
     }
 
     fn put(&self, j: JobRecord) {
@@ -823,6 +851,7 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
     let now = clock::now();
     let waiting_interactive = st.capacity_queue.load(Ordering::Relaxed) > 0;
     let mut expired = Vec::new();
+    let mut blocked = Vec::new();
     let mut go = Vec::new();
     let mut next: Option<i64> = None;
     {
@@ -857,6 +886,15 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
             if route.retry_after().is_some() {
                 continue;
             }
+            // E2: nothing in rotation: wait for a named reset, or ask a person.
+            match rotation(st, effective_route(&j)) {
+                Rotation::Open => {}
+                Rotation::Waiting => continue,
+                Rotation::Blocked(why) => {
+                    blocked.push((j, why));
+                    continue;
+                }
+            }
             // J5: low priority sheds first while interactive requests wait for capacity.
             if waiting_interactive && priority_of(&j) < wf.interactive.shed_priority_below {
                 continue;
@@ -869,6 +907,11 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
             }
             let running = inner.running.entry(key).or_insert(0);
             if *running >= limit {
+                continue;
+            }
+            // F4: a job's retry takes from the route's retry budget; over it, the job waits
+            // in the queue instead of being sent.
+            if j.attempt >= 1 && route.try_retry().is_err() {
                 continue;
             }
             *running += 1;
@@ -895,6 +938,30 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
         );
         let held = batch_failed(st, &j);
         let _ = save(st, vec![j.clone()], &[a]).await;
+        if let Some((jobs, audit)) = held {
+            let _ = save(st, jobs, &[audit]).await;
+        }
+    }
+    for (mut j, why) in blocked {
+        let wf = st.workflows.for_job(&j.workflow);
+        let t = if why.contains("credential") {
+            ReviewTrigger::PermissionDenied
+        } else {
+            ReviewTrigger::QuotaOrSpendExhausted
+        };
+        j.last_error = Some(format!("no channel of {} is in rotation: {why}", effective_route(&j)));
+        j.updated_at = now;
+        review_or_dead_letter(st, &mut j, &wf, t);
+        let a = audit(
+            "job",
+            &j.id,
+            "gateway",
+            &format!("to_{}", j.state),
+            t.as_str(),
+            serde_json::json!([]),
+        );
+        let held = batch_failed(st, &j);
+        let _ = save(st, vec![j], &[a]).await;
         if let Some((jobs, audit)) = held {
             let _ = save(st, jobs, &[audit]).await;
         }
@@ -952,6 +1019,8 @@ async fn run(st: Arc<AppState>, router: axum::Router, mut j: JobRecord) {
     let started = tokio::time::Instant::now();
     let wf = st.workflows.for_job(&j.workflow);
     let key_conc = concurrency_key(&j, &wf);
+    // J8: the job records the version of its workflow its latest run went under.
+    j.policy_version = wf.version.clone();
     let outcome = run_once(&st, router, &mut j, &wf).await;
     {
         let mut inner = st.jobs.lock();
@@ -991,8 +1060,9 @@ struct Outcome {
     status: StatusCode,
     content_type: Option<String>,
     body: Bytes,
+    /// The gateway's `retry-after`: when a refusal that sent nothing may be tried again.
     retry_after_ms: Option<u64>,
-    rec: Option<RequestRecord>,
+    report: Option<RunReport>,
     replayed: bool,
 }
 
@@ -1002,7 +1072,7 @@ async fn run_once(st: &Arc<AppState>, router: axum::Router, j: &mut JobRecord, w
         content_type: None,
         body: Bytes::from(msg.to_owned()),
         retry_after_ms: Some(5_000),
-        rec: None,
+        report: None,
         replayed: false,
     };
     let full = match st.ledger.store().job(&j.id).await {
@@ -1016,7 +1086,7 @@ async fn run_once(st: &Arc<AppState>, router: axum::Router, j: &mut JobRecord, w
             content_type: None,
             body: Bytes::from_static(b"the job's request body is not in the ledger"),
             retry_after_ms: None,
-            rec: None,
+            report: None,
             replayed: false,
         };
     };
@@ -1028,7 +1098,7 @@ async fn run_once(st: &Arc<AppState>, router: axum::Router, j: &mut JobRecord, w
             content_type: None,
             body: Bytes::from_static(b"the job's gateway key no longer exists or was revoked"),
             retry_after_ms: None,
-            rec: None,
+            report: None,
             replayed: false,
         };
     };
@@ -1081,13 +1151,13 @@ async fn run_once(st: &Arc<AppState>, router: axum::Router, j: &mut JobRecord, w
         Ok(c) => c.to_bytes(),
         Err(_) => Bytes::new(),
     };
-    let rec = sink.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let report = sink.lock().unwrap_or_else(|p| p.into_inner()).take();
     Outcome {
         status,
         content_type,
         body,
         retry_after_ms,
-        rec,
+        report,
         replayed,
     }
 }
@@ -1106,8 +1176,58 @@ enum Verdict {
     DeadLetter(DeadLetterTrigger),
 }
 
-fn judge(o: &Outcome) -> Verdict {
-    let Some(rec) = &o.rec else {
+/// E2: whether a channel serving `route` is still in rotation (a quota or credential
+/// refusal on one channel moves the work to another before a person is asked).
+fn route_has_channel(st: &AppState, route: &str) -> bool {
+    let Some((format, model)) = split_route(route) else {
+        return false;
+    };
+    let now = tokio::time::Instant::now();
+    st.channels
+        .iter()
+        .any(|c| c.cfg.format == format && c.cfg.serves(model) && c.health.check(0, now).is_ok())
+}
+
+/// E2: where a route's channels stand for background work.
+enum Rotation {
+    /// Some channel takes work now.
+    Open,
+    /// Every channel is out for a while (paced, cooling, a quota with a named reset):
+    /// the job waits, without a run that could only fail.
+    Waiting,
+    /// Every channel is out until a person acts (a refused credential, a quota with no
+    /// reset): the job goes to owner review, why included.
+    Blocked(String),
+}
+
+fn rotation(st: &AppState, route: &str) -> Rotation {
+    use crate::health::Unavailable;
+    let Some((format, model)) = split_route(route) else {
+        return Rotation::Open;
+    };
+    let now = tokio::time::Instant::now();
+    let mut blocked = None;
+    let mut any = false;
+    for c in st
+        .channels
+        .iter()
+        .filter(|c| c.cfg.format == format && c.cfg.serves(model))
+    {
+        any = true;
+        match c.health.check(0, now) {
+            Ok(()) => return Rotation::Open,
+            Err(Unavailable::Ejected(None, why)) => blocked = Some(why),
+            Err(_) => return Rotation::Waiting,
+        }
+    }
+    match blocked {
+        Some(why) if any => Rotation::Blocked(why),
+        _ => Rotation::Open,
+    }
+}
+
+fn judge(o: &Outcome, channel_left: bool) -> Verdict {
+    let Some(rec) = o.report.as_ref().map(|r| &r.rec) else {
         if o.status.is_success() {
             return Verdict::Done;
         }
@@ -1122,6 +1242,11 @@ fn judge(o: &Outcome) -> Verdict {
     if rec.partial_output_committed {
         return Verdict::DeadLetter(DeadLetterTrigger::PartialOutputCommitted);
     }
+    // H3: the provider may have acted (a hosted tool, a background run) before the
+    // attempt failed: running it again could act twice, so a person looks first.
+    if o.report.as_ref().and_then(|r| r.stop) == Some(spillway_ledger::StopReason::ProviderMayHaveActed) {
+        return Verdict::DeadLetter(DeadLetterTrigger::OutcomeUnknown);
+    }
     match rec.state {
         RequestState::Done | RequestState::ApiCompleted | RequestState::SideEffectPending if o.status.is_success() => {
             return Verdict::Done;
@@ -1132,10 +1257,13 @@ fn judge(o: &Outcome) -> Verdict {
     let reached = rec.attempts > 0;
     match rec.error_class {
         Some(FailureClass::Upstream(c)) => match c {
+            ErrorClass::Quota | ErrorClass::Auth if channel_left => Verdict::Retry { counted: true },
             ErrorClass::Quota => Verdict::Review(ReviewTrigger::QuotaOrSpendExhausted),
             ErrorClass::Auth => Verdict::Review(ReviewTrigger::PermissionDenied),
             ErrorClass::InvalidRequest => Verdict::Invalid,
-            ErrorClass::Unknown => Verdict::Review(ReviewTrigger::UnknownSignal),
+            // A 2xx the gateway cannot read may be work done: not retried blindly (as for
+            // interactive requests), a person looks.
+            ErrorClass::Unknown | ErrorClass::MalformedResponse => Verdict::Review(ReviewTrigger::UnknownSignal),
             _ => Verdict::Retry { counted: true },
         },
         Some(FailureClass::Gateway(g)) => match g {
@@ -1169,7 +1297,7 @@ fn judge(o: &Outcome) -> Verdict {
 fn file(st: &AppState, j: &mut JobRecord, wf: &Workflow, o: Outcome) -> Vec<AuditEntry> {
     let now = clock::now();
     let mut audits = Vec::new();
-    if let Some(rec) = &o.rec {
+    if let Some(rec) = o.report.as_ref().map(|r| &r.rec) {
         if !j.request_ids.contains(&rec.id) {
             j.request_ids.push(rec.id.clone());
         }
@@ -1191,7 +1319,7 @@ fn file(st: &AppState, j: &mut JobRecord, wf: &Workflow, o: Outcome) -> Vec<Audi
     }
     j.last_status = Some(o.status.as_u16());
     j.retry_after_ms = o.retry_after_ms;
-    let verdict = judge(&o);
+    let verdict = judge(&o, route_has_channel(st, effective_route(j)));
     match verdict {
         Verdict::Done => {
             j.lane = None;
@@ -1311,7 +1439,8 @@ fn file(st: &AppState, j: &mut JobRecord, wf: &Workflow, o: Outcome) -> Vec<Audi
                 j.last_error = Some(format!(
                     "the next attempt could not start before the job expires (wait {delay} ms)"
                 ));
-                to_dead_letter_or_fail(st, j, FailClosed::RetryAfterExceedsDeadline.as_str());
+                // Gave up for time, not for the work: a person may replay it.
+                park(j, DEAD_LETTER, FailClosed::RetryAfterExceedsDeadline.as_str());
                 audits.push(audit(
                     "job",
                     &j.id,
@@ -1348,29 +1477,24 @@ enum Next<'a> {
     None,
 }
 
-/// K1: the first approved fallback from the job's route that it has not used yet, if its
-/// contract holds.
+/// K1: the first approved fallback from the job's route, in the policy's order, whose
+/// contract holds; one fallback per job (a fallback that failed too goes to a person).
+/// When none holds, what the first one lacked decides where the job goes.
 fn next_fallback<'a>(st: &AppState, j: &JobRecord, wf: &'a Workflow) -> Next<'a> {
-    if !wf.fallback.allowed_before_first_token {
+    if !wf.fallback.allowed_before_first_token || j.route_override.is_some() {
         return Next::None;
     }
-    let routes = wf.fallbacks_from(&j.route);
-    let Some(r) = routes
-        .into_iter()
-        .find(|r| Some(r.to.as_str()) != j.route_override.as_deref())
-    else {
-        return Next::None;
-    };
-    if j.route_override.is_some() {
-        // One fallback per job: a fallback that failed too goes to a person.
-        return Next::None;
+    let mut first_refusal = None;
+    for r in wf.fallbacks_from(&j.route) {
+        let next = match crate::contract::check(st, wf, j, r) {
+            crate::contract::Verdict::Holds => return Next::Fallback(r),
+            crate::contract::Verdict::Unknown(why) => Next::Review(ReviewTrigger::FallbackContractUnknown, why),
+            crate::contract::Verdict::DataBoundary(why) => Next::Review(ReviewTrigger::DataBoundaryMismatch, why),
+            crate::contract::Verdict::Mismatch(why) => Next::Mismatch(why),
+        };
+        first_refusal.get_or_insert(next);
     }
-    match crate::contract::check(st, wf, j, r) {
-        crate::contract::Verdict::Holds => Next::Fallback(r),
-        crate::contract::Verdict::Unknown(why) => Next::Review(ReviewTrigger::FallbackContractUnknown, why),
-        crate::contract::Verdict::DataBoundary(why) => Next::Review(ReviewTrigger::DataBoundaryMismatch, why),
-        crate::contract::Verdict::Mismatch(why) => Next::Mismatch(why),
-    }
+    first_refusal.unwrap_or(Next::None)
 }
 
 /// L2: a job of a bulk replay ended badly: once the batch reaches its stop condition, its
@@ -1432,4 +1556,175 @@ pub fn open_batch(st: &AppState, batch: &str, stop_after_failures: u32) {
 
 pub fn new_id() -> String {
     new_job_id()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(state: RequestState, class: Option<FailureClass>, attempts: u32) -> RequestRecord {
+        let mut r = RequestRecord::received(
+            "r1".into(),
+            "t1".into(),
+            Format::OpenAi,
+            "/v1/chat/completions",
+            UnixMs(0),
+        );
+        r.state = state;
+        r.error_class = class;
+        r.attempts = attempts;
+        r
+    }
+
+    fn outcome(status: u16, rec: Option<RequestRecord>) -> Outcome {
+        Outcome {
+            status: StatusCode::from_u16(status).unwrap(),
+            content_type: None,
+            body: Bytes::new(),
+            retry_after_ms: None,
+            report: rec.map(|rec| RunReport {
+                rec,
+                provider_hint_ms: None,
+                stop: None,
+            }),
+            replayed: false,
+        }
+    }
+
+    #[test]
+    fn j2_prefer_respond_async_is_read_as_rfc_7240_says() {
+        // spec: J2
+        let mut h = HeaderMap::new();
+        assert!(!prefers_async(&h));
+        h.insert(PREFER, "return=minimal, Respond-Async; wait=10".parse().unwrap());
+        assert!(prefers_async(&h));
+        h.insert(PREFER, "respond-asynchronously".parse().unwrap());
+        assert!(!prefers_async(&h));
+    }
+
+    #[test]
+    fn j1_j7_the_stream_recovery_lane_holds_at_most_its_length() {
+        // spec: J1, J7
+        let jobs = Jobs::default();
+        let a = jobs.enter_stream_recovery(2).unwrap();
+        let b = jobs.enter_stream_recovery(2).unwrap();
+        assert!(jobs.enter_stream_recovery(2).is_none(), "full");
+        assert_eq!(jobs.stream_recovery.load(Ordering::Relaxed), 2);
+        drop(a);
+        assert!(
+            jobs.enter_stream_recovery(2).is_some(),
+            "a place given back is taken again"
+        );
+        drop(b);
+        assert_eq!(jobs.stream_recovery.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn i6_a_stored_path_never_keeps_a_gemini_key() {
+        // spec: I6, P4
+        let u: http::Uri = "/v1beta/models/m:streamGenerateContent?key=sk-secret&alt=sse"
+            .parse()
+            .unwrap();
+        assert_eq!(stored_path(&u), "/v1beta/models/m:streamGenerateContent?alt=sse");
+        let u: http::Uri = "/v1beta/models/m:generateContent?key=sk-secret".parse().unwrap();
+        assert_eq!(stored_path(&u), "/v1beta/models/m:generateContent");
+    }
+
+    #[test]
+    fn k1_a_fallback_run_carries_the_fallback_model_and_its_own_key() {
+        // spec: K1, I2
+        let mut j = JobRecord {
+            format: "openai".into(),
+            path: "/v1/chat/completions".into(),
+            route: "openai/gpt-4.1".into(),
+            requested_model: "gpt-4.1".into(),
+            idempotency_key: "k".into(),
+            ..Default::default()
+        };
+        let body = br#"{"model":"gpt-4.1","messages":[]}"#.to_vec();
+        assert_eq!(retarget(&j, body.clone()).1, body, "its own route: the body as sent");
+        assert_eq!(run_key(&j), "k");
+        j.route_override = Some("openai/gpt-4o-mini".into());
+        let (_, b) = retarget(&j, body);
+        assert_eq!(
+            serde_json::from_slice::<serde_json::Value>(&b).unwrap()["model"],
+            "gpt-4o-mini"
+        );
+        assert!(run_key(&j).starts_with("k#") && run_key(&j) != "k");
+        let g = JobRecord {
+            format: "gemini".into(),
+            path: "/v1beta/models/gemini-2.5-pro:generateContent".into(),
+            route: "gemini/gemini-2.5-pro".into(),
+            requested_model: "gemini-2.5-pro".into(),
+            route_override: Some("gemini/gemini-2.5-flash".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            retarget(&g, Vec::new()).0,
+            "/v1beta/models/gemini-2.5-flash:generateContent"
+        );
+    }
+
+    #[test]
+    fn j6_e2_each_outcome_files_the_job_where_the_rules_say() {
+        // spec: J6, E2, L3
+        let up = |c| Some(FailureClass::Upstream(c));
+        let gw = |c| Some(FailureClass::Gateway(c));
+        let v = |status, r, left| match judge(&outcome(status, Some(r)), left) {
+            Verdict::Done => "done".to_owned(),
+            Verdict::Invalid => "invalid".to_owned(),
+            Verdict::Retry { counted } => format!("retry counted={counted}"),
+            Verdict::Review(t) => format!("review {}", t.as_str()),
+            Verdict::DeadLetter(t) => format!("dead {}", t.as_str()),
+        };
+        assert_eq!(v(200, rec(RequestState::Done, None, 1), true), "done");
+        assert_eq!(
+            v(502, rec(RequestState::Failed, up(ErrorClass::Overload), 1), true),
+            "retry counted=true"
+        );
+        assert_eq!(
+            v(502, rec(RequestState::Failed, up(ErrorClass::Quota), 1), false),
+            "review quota_or_spend_exhausted"
+        );
+        // E2: another channel in rotation takes it before a person is asked.
+        assert_eq!(
+            v(502, rec(RequestState::Failed, up(ErrorClass::Quota), 1), true),
+            "retry counted=true"
+        );
+        assert_eq!(
+            v(502, rec(RequestState::Failed, up(ErrorClass::Auth), 1), false),
+            "review permission_denied"
+        );
+        assert_eq!(
+            v(402, rec(RequestState::Failed, gw(GatewayClass::SpendLimit), 0), true),
+            "review quota_or_spend_exhausted"
+        );
+        assert_eq!(
+            v(502, rec(RequestState::Failed, up(ErrorClass::Unknown), 1), true),
+            "review unknown_signal"
+        );
+        assert_eq!(
+            v(400, rec(RequestState::Failed, up(ErrorClass::InvalidRequest), 1), true),
+            "invalid"
+        );
+        assert_eq!(
+            v(503, rec(RequestState::Failed, gw(GatewayClass::BreakerOpen), 0), true),
+            "retry counted=false"
+        );
+        assert_eq!(
+            v(503, rec(RequestState::Unknown, None, 1), true),
+            "dead outcome_unknown"
+        );
+        assert_eq!(
+            v(
+                409,
+                rec(RequestState::Failed, gw(GatewayClass::IdempotencyUnknown), 0),
+                true
+            ),
+            "dead outcome_unknown"
+        );
+        let mut partial = rec(RequestState::Failed, up(ErrorClass::StreamInterrupted), 1);
+        partial.partial_output_committed = true;
+        assert_eq!(v(200, partial, true), "dead partial_output_committed");
+    }
 }

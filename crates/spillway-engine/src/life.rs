@@ -132,8 +132,11 @@ pub struct Life {
     failed_cost: f64,
     /// M3: the output tokens the estimate assumed.
     estimated_output: Option<u64>,
-    /// J2: where a job's run hands its final record back.
-    job_sink: Option<Arc<std::sync::Mutex<Option<RequestRecord>>>>,
+    /// J2: where a job's run hands its report back.
+    job_sink: Option<Arc<std::sync::Mutex<Option<crate::jobs::RunReport>>>>,
+    /// J2: the last failed attempt's provider wait hint and the loop's stop reason.
+    last_hint: Option<u64>,
+    last_stop: Option<StopReason>,
 }
 
 impl Life {
@@ -160,6 +163,8 @@ impl Life {
             failed_cost: 0.0,
             estimated_output: None,
             job_sink: None,
+            last_hint: None,
+            last_stop: None,
         }
     }
 
@@ -170,7 +175,7 @@ impl Life {
     }
 
     /// J2: the request is a run of a job: its final record is handed back to the runner.
-    pub fn set_job_sink(&mut self, sink: Arc<std::sync::Mutex<Option<RequestRecord>>>) {
+    pub fn set_job_sink(&mut self, sink: Arc<std::sync::Mutex<Option<crate::jobs::RunReport>>>) {
         self.job_sink = Some(sink);
     }
 
@@ -531,6 +536,10 @@ impl Life {
                 out
             }
             End::Error { err, class, mut att } => {
+                if let Some(a) = &att {
+                    self.last_hint = a.retry_after_ms;
+                    self.last_stop = a.decision_reason;
+                }
                 let gone = matches!(err, GatewayError::ClientGone);
                 let class: FailureClass = match (gone, err.class(), class) {
                     (true, _, _) => self.gone_class().into(),
@@ -843,7 +852,11 @@ impl Life {
             .metrics
             .finished(&self.rec, self.route.as_ref(), self.admitted, at);
         if let Some(s) = &self.job_sink {
-            *s.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.rec.clone());
+            *s.lock().unwrap_or_else(|p| p.into_inner()) = Some(crate::jobs::RunReport {
+                rec: self.rec.clone(),
+                provider_hint_ms: self.last_hint,
+                stop: self.last_stop,
+            });
         }
     }
 

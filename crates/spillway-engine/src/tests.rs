@@ -473,6 +473,8 @@ async fn request(st: &Arc<AppState>) -> (Life, Ctx, Admitted) {
         conversation: 7,
         strip_usage: false,
         max_attempts: st.config.max_attempts,
+        workflow: st.workflows.default_workflow(),
+        attempt_timeout: None,
     };
     (life, ctx, admitted)
 }

@@ -122,9 +122,16 @@ impl Caller for HttpCaller {
         let left = ctx.deadline.saturating_duration_since(started);
         // F3: an attempt gets its own timeout, never more than the request has left; the
         // response headers must come sooner still.
-        let timeout = Duration::from_millis(ch.timeout_ms.unwrap_or(st.config.attempt_timeout_ms)).min(left);
+        // A job's run takes its workflow's attempt timeout, and waits for the response
+        // headers as long (a whole answer comes with its headers).
+        let (timeout, first_byte) = match ctx.attempt_timeout {
+            Some(t) => (t.min(left), t.min(left)),
+            None => {
+                let t = Duration::from_millis(ch.timeout_ms.unwrap_or(st.config.attempt_timeout_ms)).min(left);
+                (t, Duration::from_millis(up.first_byte_timeout_ms).min(t))
+            }
+        };
         let attempt_deadline = started + timeout;
-        let first_byte = Duration::from_millis(up.first_byte_timeout_ms).min(timeout);
 
         let mut rb = st
             .client

@@ -517,7 +517,7 @@ pub async fn rollback(
     };
     let Some(path) = st.workflows.file_of(workflow) else {
         return Err(RollbackError::ReadOnly(format!(
-            "Workflow `{workflow}` is not read from a policy file (built-in policies are read-only); start the gateway with `--workflows DIR` to edit and roll back policies."
+            "Workflow `{workflow}` is not read from a policy file (built-in policies are read-only); set `workflows: DIR` in the gateway's config to edit and roll back policies."
         )));
     };
     let w = Workflow::parse(&path.display().to_string(), &v.text)
@@ -540,4 +540,66 @@ pub async fn rollback(
     };
     announce(st, ev, actor, &format!("rolled back to {version}: {reason}")).await;
     Ok(new)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(name: &str, attempts: u32) -> String {
+        format!(
+            "workflow: {name}\nai_api_queueing_strategy:\n  lanes:\n    background_retry: {{max_attempts: {attempts}}}\n"
+        )
+    }
+
+    #[test]
+    fn j8_selection_named_then_the_keys_then_default() {
+        // spec: J8
+        let w = Workflows::load(None).unwrap();
+        assert_eq!(w.select(None, None).unwrap().name, "default");
+        assert_eq!(w.select(None, Some("evaluation")).unwrap().name, "evaluation");
+        assert_eq!(
+            w.select(Some("customer_chat"), Some("evaluation")).unwrap().name,
+            "customer_chat"
+        );
+        match w.select(Some("nope"), None) {
+            Err(GatewayError::UnknownWorkflow { known, .. }) => assert!(known.contains("`support_summary`")),
+            _ => panic!("an unknown workflow is refused"),
+        }
+        // Every shipped policy is built in, and the default besides.
+        assert_eq!(w.all().len(), SHIPPED.len() + 1);
+    }
+
+    #[test]
+    fn j8_a_directory_edit_applies_once_settled_and_a_bad_one_keeps_the_last_good() {
+        // spec: J8
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("a.yaml"), policy("a", 2)).unwrap();
+        let w = Workflows::load(Some(dir.path())).unwrap();
+        let v1 = w.get("a").unwrap().version.clone();
+        assert_eq!(w.get("default").unwrap().source, "built-in");
+        std::fs::write(dir.path().join("a.yaml"), policy("a", 4)).unwrap();
+        assert!(
+            w.poll().is_empty(),
+            "a change is applied once it has not changed for a poll"
+        );
+        assert!(matches!(&w.poll()[..], [Event::Loaded { .. }]));
+        assert_eq!(w.get("a").unwrap().background.max_attempts, 4);
+        assert_ne!(w.get("a").unwrap().version, v1);
+        std::fs::write(dir.path().join("a.yaml"), policy("a", 0)).unwrap();
+        w.poll();
+        assert!(matches!(&w.poll()[..], [Event::Invalid { .. }]));
+        assert_eq!(
+            w.get("a").unwrap().background.max_attempts,
+            4,
+            "the last good version stays"
+        );
+        assert!(w.problems()[0].error.contains("max_attempts"));
+        assert!(w.poll().is_empty(), "an invalid text is reported once");
+        // Two files defining one workflow cannot start.
+        std::fs::write(dir.path().join("a.yaml"), policy("a", 2)).unwrap();
+        std::fs::write(dir.path().join("b.yaml"), policy("a", 2)).unwrap();
+        let e = Workflows::load(Some(dir.path())).err().expect("refused");
+        assert!(e.contains("defined in"), "{e}");
+    }
 }

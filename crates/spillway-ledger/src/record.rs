@@ -310,10 +310,12 @@ pub enum StopReason {
     /// The provider may have acted on the request's behalf (a hosted tool, a background
     /// run) before the attempt failed: running it again could act twice.
     ProviderMayHaveActed,
+    /// J1, J7: the stream-recovery lane was full: a stream did not wait to retry.
+    LaneFull,
 }
 
 impl StopReason {
-    pub const ALL: [StopReason; 10] = [
+    pub const ALL: [StopReason; 11] = [
         StopReason::PartialOutputCommitted,
         StopReason::AttemptBudgetExhausted,
         StopReason::RetryAfterExceedsDeadline,
@@ -324,6 +326,7 @@ impl StopReason {
         StopReason::RetryBudgetExhausted,
         StopReason::BreakerOpen,
         StopReason::ProviderMayHaveActed,
+        StopReason::LaneFull,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -338,6 +341,7 @@ impl StopReason {
             StopReason::RetryBudgetExhausted => "retry_budget_exhausted",
             StopReason::BreakerOpen => "breaker_open",
             StopReason::ProviderMayHaveActed => "provider_may_have_acted",
+            StopReason::LaneFull => "lane_full",
         }
     }
 

@@ -1734,7 +1734,8 @@ owners:
             c.channels.iter().all(|ch| ch.simulated.is_some()),
             "no key: every channel simulated"
         );
-        assert_eq!(c.channels.len(), 6);
+        // Two per provider, and the two background-only batch channels (J2's demo).
+        assert_eq!(c.channels.len(), 8);
         assert_eq!(c.generated.len(), 1);
         assert_eq!(c.keys[0].secret, hash_secret("sk-spillway-demo-generated"));
         assert!(!format!("{c:?}").contains("sk-spillway-demo-generated"), "P3");
@@ -1752,7 +1753,7 @@ owners:
         assert_eq!(real.len(), 1);
         assert_eq!(real[0].base_url, "https://api.anthropic.com");
         assert!(real[0].serves("claude-opus-4-1"));
-        assert_eq!(c.channels.len(), 5);
+        assert_eq!(c.channels.len(), 6);
         let example = include_str!("../../../policies/example.yaml");
         let env = |k: &str| match k {
             "OPENAI_API_KEY" | "ANTHROPIC_API_KEY" => Some("sk-upstream-example".to_owned()),

@@ -183,8 +183,9 @@ struct RawInteractive {
     /// Upstream attempts per request, the first one included (1-20).
     #[schemars(with = "Option<u32>", range(min = 1, max = 20))]
     max_attempts: Option<S<u32>>,
-    /// When the lane fills, requests of a lower priority than this are refused first (J5);
-    /// `low` sheds nothing.
+    /// J5: while interactive requests wait for channel capacity, this workflow's background
+    /// jobs of a lower priority than this are held back (not released); `low` holds
+    /// nothing back.
     #[schemars(with = "Option<Priority>")]
     shed_priority_below: Option<S<Priority>>,
     /// Requests the lane holds at once (1-1000000).
@@ -366,8 +367,9 @@ struct RawRoute {
 #[serde(deny_unknown_fields)]
 #[schemars(rename = "Slo")]
 struct RawSlo {
-    /// Target P95 wait before the first upstream attempt, in milliseconds; the route breaker
-    /// opens when the wait goes above 80 % of it (G1).
+    /// Target P95 wait before the first upstream attempt, in milliseconds. Recorded with the
+    /// policy; the route breakers' wait trigger (G1) takes its SLO from the gateway config's
+    /// `control.route_wait_slo_ms`, per route.
     #[schemars(with = "Option<u64>", range(min = 1))]
     wait_p95_ms: Option<S<u64>>,
     /// Target P95 time from receipt to a finished result, in milliseconds.
@@ -623,7 +625,8 @@ pub struct InteractiveLane {
     pub max_wait_ms: u64,
     /// Upstream attempts, the first one included.
     pub max_attempts: u32,
-    /// When the lane is full, requests below this priority are refused first (J5).
+    /// J5: while interactive requests wait for capacity, the workflow's jobs below this
+    /// priority are held back.
     pub shed_priority_below: Priority,
     pub max_length: u32,
 }

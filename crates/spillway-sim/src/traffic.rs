@@ -11,6 +11,9 @@ use std::time::Duration;
 pub struct Target {
     pub format: Format,
     pub model: String,
+    /// J2: sent as background jobs (`Prefer: respond-async`) under this workflow, not as
+    /// interactive requests.
+    pub background: Option<String>,
 }
 
 impl Target {
@@ -75,7 +78,23 @@ const PROMPTS: &[&str] = &[
     "Extract the invoice number and total from the attached text.",
 ];
 
-/// Sends about `rps` requests per second to `gateway` until the returned task is aborted.
+/// One background job for `target` (J2): its request with `Prefer: respond-async`.
+pub fn job(
+    client: &reqwest::Client,
+    gateway: &str,
+    key: &str,
+    target: &Target,
+    prompt: &str,
+) -> reqwest::RequestBuilder {
+    let req = request(client, gateway, key, target, false, prompt).header("prefer", "respond-async");
+    match &target.background {
+        Some(w) => req.header("x-spillway-workflow", w),
+        None => req,
+    }
+}
+
+/// Sends about `rps` requests per second to `gateway` until the returned task is aborted;
+/// three in ten are background jobs when some targets take them.
 pub fn spawn(gateway: String, key: String, targets: Vec<Target>, rps: f64) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         if targets.is_empty() || rps.is_nan() || rps <= 0.0 {
@@ -88,13 +107,27 @@ pub fn spawn(gateway: String, key: String, targets: Vec<Target>, rps: f64) -> to
             tick.tick().await;
             let (target, stream, prompt) = {
                 let mut rng = rand::rng();
+                let background = rng.random_bool(0.3);
+                let pool: Vec<&Target> = targets
+                    .iter()
+                    .filter(|t| t.background.is_some() == background)
+                    .collect();
+                let pool = if pool.is_empty() {
+                    targets.iter().collect()
+                } else {
+                    pool
+                };
                 (
-                    targets[rng.random_range(0..targets.len())].clone(),
+                    pool[rng.random_range(0..pool.len())].clone(),
                     rng.random_bool(0.4),
                     PROMPTS[rng.random_range(0..PROMPTS.len())],
                 )
             };
-            let req = request(&client, &gateway, &key, &target, stream, prompt);
+            let req = if target.background.is_some() {
+                job(&client, &gateway, &key, &target, prompt)
+            } else {
+                request(&client, &gateway, &key, &target, stream, prompt)
+            };
             tokio::spawn(async move {
                 if let Ok(resp) = req.send().await {
                     let _ = resp.bytes().await;
