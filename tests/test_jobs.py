@@ -521,12 +521,16 @@ def test_l2_bulk_replay_shows_the_total_first_and_stops_after_its_failure_limit(
     code, _, err = admin(gw, "POST", "/admin/v1/dead-letters/replay", form)
     assert code == 422 and err["missing_fields"] == ["cost_reviewed", "stop_after_failures"]
     code, _, err = admin(gw, "POST", "/admin/v1/dead-letters/replay",
-                         {**form, "stop_after_failures": 1, "cost_reviewed": {"total_estimated_cost_usd": 0.5}})
+                         {**form, "stop_after_failures": 1, "cost_reviewed": {"total_estimated_cost_usd": 0.5, "count": 3}})
     assert code == 409 and "total estimate changed" in err["error"]
+    code, _, err = admin(gw, "POST", "/admin/v1/dead-letters/replay",
+                         {**form, "stop_after_failures": 1,
+                          "cost_reviewed": {"total_estimated_cost_usd": p["total_estimated_cost_usd"], "count": 2}})
+    assert code == 409 and "count" in err["error"], "the total is tied to the set it was shown for"
     # Still failing: the first replayed job fails and the batch stops; the rest are not run.
     code, _, b = admin(gw, "POST", "/admin/v1/dead-letters/replay",
                        {**form, "stop_after_failures": 1,
-                        "cost_reviewed": {"total_estimated_cost_usd": p["total_estimated_cost_usd"]}})
+                        "cost_reviewed": {"total_estimated_cost_usd": p["total_estimated_cost_usd"], "count": 3}})
     assert code == 202 and len(b["replayed"]) == 3, b
     new = [r["job_id"] for r in b["replayed"]]
     assert wait_for(lambda: all(job(gw, n)[2]["state"] == "dead_letter" for n in new), timeout=20), [job(gw, n)[2] for n in new]

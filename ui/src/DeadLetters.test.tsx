@@ -259,7 +259,7 @@ describe('DeadLettersView', () => {
       filter: { state: null, lane: null, route: null, owner: null, workflow: null, error_class: null, min_age_ms: null, max_age_ms: null, ids: [ID], limit: null },
       replay_owner: 'ana',
       replay_reason: { kind: 'quota_changed', text: 'quota raised' },
-      cost_reviewed: { total_estimated_cost_usd: 0.0123 },
+      cost_reviewed: { total_estimated_cost_usd: 0.0123, count: 1 },
       stop_after_failures: 2,
     })
     expect((await screen.findByTestId('bulk-replay-result')).textContent).toMatch(/1 dead letter\(s\) replayed.*stops after 2 failure/)

@@ -374,7 +374,7 @@ function BulkReplay({ conn, filter, scope, onDone }: { conn: Connection; filter:
         filter,
         replay_owner: actor.trim(),
         replay_reason: { kind, text: reason.trim() },
-        cost_reviewed: { total_estimated_cost_usd: preview.total_estimated_cost_usd },
+        cost_reviewed: { total_estimated_cost_usd: preview.total_estimated_cost_usd, count: preview.count },
         stop_after_failures: stopN,
       })
       qc.invalidateQueries({ queryKey: ['dead-letters'] })

@@ -233,7 +233,7 @@ export type BulkReplayForm = {
   filter: JobFilter
   replay_owner: string
   replay_reason: ReplayReason
-  cost_reviewed: { total_estimated_cost_usd: number | null }
+  cost_reviewed: { total_estimated_cost_usd: number | null; count: number }
   stop_after_failures: number
 }
 export type BulkReplayed = {

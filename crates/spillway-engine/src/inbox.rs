@@ -64,6 +64,17 @@ fn missing(fields: Vec<String>) -> Response {
     )
 }
 
+/// Operators act on jobs once the ledger's open jobs are loaded (a decision made before
+/// would be overwritten by the loading copy).
+fn not_ready(st: &AppState) -> Option<Response> {
+    (!st.jobs.ready.load(std::sync::atomic::Ordering::Acquire)).then(|| {
+        admin_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "The gateway is still loading its jobs from the ledger; try again in a moment.",
+        )
+    })
+}
+
 fn ledger_down(e: impl std::fmt::Display) -> Response {
     admin_error(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -352,16 +363,23 @@ async fn approve(State(st): State<Arc<AppState>>, Path(id): Path<String>, body: 
         Ok(d) => d,
         Err(r) => return r,
     };
+    if let Some(r) = not_ready(&st) {
+        return r;
+    }
+    // K3: one decision at a time, on a job still awaiting it.
+    let _claim = match st.jobs.claim(&id, OWNER_REVIEW) {
+        Ok(c) => c,
+        Err(why) => {
+            return admin_error(
+                StatusCode::CONFLICT,
+                format!("Job {id} is not awaiting an owner: {why}."),
+            );
+        }
+    };
     let mut j = match load(&st, &id).await {
         Ok(j) => j,
         Err(r) => return r,
     };
-    if j.lane.as_deref() != Some(OWNER_REVIEW) {
-        return admin_error(
-            StatusCode::CONFLICT,
-            format!("Job {id} is not awaiting an owner (it is `{}`).", j.state),
-        );
-    }
     if let Some(r) = &route
         && let Err(why) = allowed_route(&st, &j, r)
     {
@@ -410,16 +428,22 @@ async fn reject(State(st): State<Arc<AppState>>, Path(id): Path<String>, body: a
         Ok(d) => d,
         Err(r) => return r,
     };
+    if let Some(r) = not_ready(&st) {
+        return r;
+    }
+    let _claim = match st.jobs.claim(&id, OWNER_REVIEW) {
+        Ok(c) => c,
+        Err(why) => {
+            return admin_error(
+                StatusCode::CONFLICT,
+                format!("Job {id} is not awaiting an owner: {why}."),
+            );
+        }
+    };
     let mut j = match load(&st, &id).await {
         Ok(j) => j,
         Err(r) => return r,
     };
-    if j.lane.as_deref() != Some(OWNER_REVIEW) {
-        return admin_error(
-            StatusCode::CONFLICT,
-            format!("Job {id} is not awaiting an owner (it is `{}`).", j.state),
-        );
-    }
     let now = clock::now();
     let from = j.reason.clone().unwrap_or_default();
     j.review = Some(
@@ -477,7 +501,13 @@ impl IdempotencyResult {
     }
 }
 
+/// The detail of an outcome nobody can reconcile in the ledger (H3): only an owner's
+/// override replays it.
+const MAY_HAVE_ACTED_DETAIL: &str = "the provider may have acted on this job's behalf (H3) before its run failed";
+
 async fn idempotency_result(st: &AppState, j: &JobRecord) -> spillway_ledger::Result<(IdempotencyResult, String)> {
+    // The runs' last records may still wait for the group commit.
+    st.ledger.flush().await?;
     let mut runs = st.ledger.store().job_requests(&j.id).await?;
     // The key may have been used outside the job too (the client's own requests under it).
     if let Some(k) = st
@@ -500,13 +530,26 @@ async fn idempotency_result(st: &AppState, j: &JobRecord) -> spillway_ledger::Re
             ));
         }
     }
-    if let Some(r) = runs.iter().find(|r| r.state == RequestState::Unknown) {
+    if let Some(r) = runs.iter().find(|r| {
+        matches!(
+            r.state,
+            RequestState::Unknown | RequestState::CallingApi | RequestState::Received
+        )
+    }) {
         return Ok((
             IdempotencyResult::OutcomeUnknown,
             format!(
                 "request {} under the key has an unknown outcome; reconcile it in the Unknown outcomes inbox first",
                 r.id
             ),
+        ));
+    }
+    // A run that failed after the provider may have acted is closed as failed, but whether
+    // it acted is not known: a person says so with an owner override.
+    if j.reason.as_deref() == Some(jobs::MAY_HAVE_ACTED) {
+        return Ok((
+            IdempotencyResult::OutcomeUnknown,
+            format!("{MAY_HAVE_ACTED_DETAIL}; check the provider, then replay with replay_reason.kind owner_override"),
         ));
     }
     Ok((
@@ -781,19 +824,23 @@ async fn replay(State(st): State<Arc<AppState>>, Path(id): Path<String>, body: a
         Ok(c) => c,
         Err(r) => return r,
     };
+    if let Some(r) = not_ready(&st) {
+        return r;
+    }
+    // L1: one replay of a dead letter, however many clicks.
+    let _claim = match st.jobs.claim(&id, DEAD_LETTER) {
+        Ok(c) => c,
+        Err(why) => {
+            return admin_error(
+                StatusCode::CONFLICT,
+                format!("Job {id} is not in the dead letter: {why}; nothing was replayed."),
+            );
+        }
+    };
     let old = match load(&st, &id).await {
         Ok(j) => j,
         Err(r) => return r,
     };
-    if old.lane.as_deref() != Some(DEAD_LETTER) {
-        return admin_error(
-            StatusCode::CONFLICT,
-            format!(
-                "Job {id} is not in the dead letter (it is `{}`); nothing was replayed.",
-                old.state
-            ),
-        );
-    }
     let route = f.route_override.as_deref().unwrap_or_default().trim().to_owned();
     if let Err(why) = allowed_route(&st, &old, &route) {
         return form_error(
@@ -814,6 +861,8 @@ async fn replay(State(st): State<Arc<AppState>>, Path(id): Path<String>, body: a
                 Vec::new(),
             );
         }
+        IdempotencyResult::OutcomeUnknown
+            if detail.starts_with(MAY_HAVE_ACTED_DETAIL) && c.kind == "owner_override" => {}
         IdempotencyResult::OutcomeUnknown => {
             return form_error(
                 StatusCode::CONFLICT,
@@ -1006,6 +1055,22 @@ async fn bulk_replay(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -
         Ok(v) => v,
         Err(r) => return r,
     };
+    // The total is tied to the set it was shown for: the count reviewed must still hold.
+    let count = f
+        .cost_reviewed
+        .as_ref()
+        .and_then(|v| v.get("count"))
+        .and_then(serde_json::Value::as_u64);
+    if count.is_none_or(|c| c as usize != p.count) {
+        return form_error(
+            StatusCode::CONFLICT,
+            format!(
+                "`cost_reviewed.count`: the preview's count must come with its total; {} dead letter(s) match now; preview again.",
+                p.count
+            ),
+            Vec::new(),
+        );
+    }
     if !same_money(reviewed, p.total_estimated_cost_usd) {
         return form_error(
             StatusCode::CONFLICT,
@@ -1018,10 +1083,26 @@ async fn bulk_replay(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -
             Vec::new(),
         );
     }
+    if let Some(r) = not_ready(&st) {
+        return r;
+    }
     let batch = format!("batch_{}", &jobs::new_id()[4..20]);
     let mut saves = Vec::new();
     let mut made = Vec::new();
+    let mut claims = Vec::new();
+    let mut skipped = p.refused.clone();
     for found in jobs_found {
+        // A dead letter replayed or decided on since the preview is left out.
+        match st.jobs.claim(&found.id, DEAD_LETTER) {
+            Ok(c) => claims.push(c),
+            Err(why) => {
+                skipped.push(BulkRefused {
+                    id: found.id.clone(),
+                    why,
+                });
+                continue;
+            }
+        }
         // The listing holds no bodies: the replay copies the dead letter's from the ledger.
         let old = match st.ledger.store().job(&found.id).await {
             Ok(Some(j)) => j,
@@ -1062,7 +1143,7 @@ async fn bulk_replay(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -
     (
         StatusCode::ACCEPTED,
         axum::Json(serde_json::json!({
-            "batch_id": batch, "replayed": made, "refused": p.refused, "stop_after_failures": stop,
+            "batch_id": batch, "replayed": made, "refused": skipped, "stop_after_failures": stop,
             "total_estimated_cost_usd": p.total_estimated_cost_usd,
         })),
     )

@@ -449,17 +449,16 @@ async fn handle<C: Caller>(
         .map_or(Duration::from_millis(st.config.total_deadline_ms), |j| j.deadline);
     let deadline = tokio::time::Instant::now() + total;
     // Token counting is free at the providers: it takes from the key's rate only when
-    // the key says so. A job submission takes nothing: its runs do, as they go.
-    let rated = api != Api::CountTokens || key.key.rpm_counts_token_counting;
-    if !async_job {
-        match key.limits.acquire(KEY_WAIT, rated).await {
-            Ok(slot) => life.hold_key(slot),
-            Err(over) => {
-                let e = GatewayError::KeyLimited {
-                    retry_after_s: over.retry_after_s,
-                };
-                return life.close(End::refused(e)).await;
-            }
+    // the key says so. A job takes from it once, when submitted (B2 holds for background
+    // work too); its runs hold only a concurrency slot.
+    let rated = (api != Api::CountTokens || key.key.rpm_counts_token_counting) && job_run.is_none();
+    match key.limits.acquire(KEY_WAIT, rated).await {
+        Ok(slot) => life.hold_key(slot),
+        Err(over) => {
+            let e = GatewayError::KeyLimited {
+                retry_after_s: over.retry_after_s,
+            };
+            return life.close(End::refused(e)).await;
         }
     }
 

@@ -57,6 +57,9 @@ pub const BACKGROUND: &str = "background_retry";
 pub const OWNER_REVIEW: &str = "owner_review";
 pub const DEAD_LETTER: &str = "dead_letter";
 
+/// Why a job is in the dead letter when its provider may have acted (H3).
+pub const MAY_HAVE_ACTED: &str = "provider_may_have_acted";
+
 /// Job states.
 pub const QUEUED: &str = "queued";
 pub const RUNNING: &str = "running";
@@ -96,6 +99,9 @@ struct Batch {
 
 #[derive(Default)]
 struct Inner {
+    /// Jobs an operator's action holds (K3, L1): the runner skips them and a second action
+    /// is refused, so two decisions never race.
+    claimed: std::collections::HashSet<String>,
     /// Every job not yet ended (queued, running, awaiting an owner, in the dead letter),
     /// without its body.
     open: HashMap<String, JobRecord>,
@@ -111,6 +117,8 @@ struct Inner {
 pub struct Jobs {
     inner: Mutex<Inner>,
     wake: tokio::sync::Notify,
+    /// The jobs the ledger held open are loaded: operators may act on them.
+    pub ready: std::sync::atomic::AtomicBool,
     /// J1: streams waiting to retry before their first token, now.
     pub stream_recovery: AtomicU32,
 }
@@ -199,6 +207,18 @@ impl JobView {
             replay: j.replay.clone(),
             result_status: j.result_status,
         }
+    }
+}
+
+/// An operator's hold on one job, let go when dropped.
+pub struct JobClaim<'a> {
+    jobs: &'a Jobs,
+    id: String,
+}
+
+impl Drop for JobClaim<'_> {
+    fn drop(&mut self) {
+        self.jobs.lock().claimed.remove(&self.id);
     }
 }
 
@@ -386,6 +406,25 @@ impl Jobs {
         v
     }
 
+    /// Holds job `id` for one operator action while it is in `lane` (and not held by
+    /// another): `Err` says what it is instead.
+    pub fn claim(&self, id: &str, lane: &str) -> Result<JobClaim<'_>, String> {
+        let mut i = self.lock();
+        if i.claimed.contains(id) {
+            return Err("another decision on it is in progress".into());
+        }
+        match i.open.get(id) {
+            Some(j) if j.lane.as_deref() == Some(lane) => {}
+            Some(j) => return Err(format!("it is `{}`", j.state)),
+            None => return Err("it has ended".into()),
+        }
+        i.claimed.insert(id.to_owned());
+        Ok(JobClaim {
+            jobs: self,
+            id: id.to_owned(),
+        })
+    }
+
     /// J1, J7: a place in the stream-recovery lane, while there is one.
     pub fn enter_stream_recovery(&self, max: u32) -> Option<StreamRecovery<'_>> {
         self.stream_recovery
@@ -419,6 +458,20 @@ pub async fn save(st: &AppState, jobs: Vec<JobRecord>, audits: &[AuditEntry]) ->
         st.jobs.put(j);
     }
     Ok(())
+}
+
+/// The runner's save: the ledger first; if it refuses, memory still takes the new state,
+/// so a job is never left `running` (or re-filed on every pass) because of an outage. The
+/// ledger catches up at the job's next save, and a restart reads its runs again.
+async fn save_or_hold(st: &AppState, jobs: Vec<JobRecord>, audits: &[AuditEntry]) {
+    if let Err(e) = st.ledger.store().save_jobs(&jobs, audits).await {
+        tracing::error!(error = %e, jobs = jobs.len(), "the ledger could not record a job's move; kept in memory");
+    }
+    for mut j in jobs {
+        j.body = None;
+        j.result = None;
+        st.jobs.put(j);
+    }
 }
 
 /// What ingress hands over for a submission.
@@ -605,6 +658,16 @@ pub async fn submit(st: &Arc<AppState>, life: Life, s: Submission<'_>) -> Respon
         batch_id: None,
     };
     if let Err(e) = save(st, vec![job.clone()], &[]).await {
+        // Two submissions under one key at once: the ledger kept the first (a unique
+        // index); this one is answered with it.
+        if let Some(k) = &s.idempotency_key
+            && let Ok(Some(found)) = st.ledger.store().job_by_key(&s.key.key.name, k).await
+            && found.body_sha256 == job.body_sha256
+        {
+            let r = accepted(&found, true);
+            life.hand_over();
+            return r;
+        }
         return life.close(End::refused(e)).await;
     }
     tracing::info!(job = %id, workflow = %wf.name, route = %route, "background job accepted");
@@ -786,11 +849,17 @@ async fn recover(st: &Arc<AppState>) -> spillway_ledger::Result<()> {
                 b.get("stop_after_failures").and_then(|v| v.as_u64()),
             )
         {
-            st.jobs.lock().batches.entry(batch).or_insert(Batch {
+            // L2: the stop condition goes on from the batch's failures so far (its jobs
+            // back in the dead letter for their own reasons).
+            let failed = j.lane.as_deref() == Some(DEAD_LETTER) && j.reason.as_deref() != Some("bulk_replay_stopped");
+            let mut inner = st.jobs.lock();
+            let b = inner.batches.entry(batch).or_insert(Batch {
                 stop_after_failures: stop as u32,
                 failures: 0,
                 stopped: false,
             });
+            b.failures += u32::from(failed);
+            b.stopped |= b.failures >= b.stop_after_failures;
         }
         // A job is marked running in memory only (a durable write per release would cost
         // a sync per run), so any job that may have been running is looked at.
@@ -829,6 +898,9 @@ async fn recover(st: &Arc<AppState>) -> spillway_ledger::Result<()> {
         }
         st.jobs.put(j);
     }
+    // Memory holds every open job now: operators may act (their saves come after this
+    // one's on the writer connection).
+    st.jobs.ready.store(true, Ordering::Release);
     if !changed.is_empty() {
         tracing::info!(
             jobs = changed.len(),
@@ -865,6 +937,9 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
                 .then(a.id.cmp(&b.id))
         });
         for mut j in queued {
+            if inner.claimed.contains(&j.id) {
+                continue;
+            }
             if now >= j.expires_at {
                 expired.push(j);
                 continue;
@@ -901,6 +976,7 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
             }
             // J4, F4: per concurrency key; halved while the route is not closed.
             let key = concurrency_key(&j, &wf);
+            let key_for_slot = key.clone();
             let mut limit = wf.backpressure.max_concurrency;
             if !route.sending() {
                 limit = (limit / 2).max(1);
@@ -919,7 +995,7 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
             j.attempt += 1;
             j.updated_at = now;
             inner.open.insert(j.id.clone(), j.clone());
-            go.push(j);
+            go.push((j, key_for_slot));
         }
     }
     for mut j in expired {
@@ -937,9 +1013,9 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
             serde_json::json!([]),
         );
         let held = batch_failed(st, &j);
-        let _ = save(st, vec![j.clone()], &[a]).await;
+        save_or_hold(st, vec![j], &[a]).await;
         if let Some((jobs, audit)) = held {
-            let _ = save(st, jobs, &[audit]).await;
+            save_or_hold(st, jobs, &[audit]).await;
         }
     }
     for (mut j, why) in blocked {
@@ -961,15 +1037,15 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
             serde_json::json!([]),
         );
         let held = batch_failed(st, &j);
-        let _ = save(st, vec![j], &[a]).await;
+        save_or_hold(st, vec![j], &[a]).await;
         if let Some((jobs, audit)) = held {
-            let _ = save(st, jobs, &[audit]).await;
+            save_or_hold(st, jobs, &[audit]).await;
         }
     }
-    for j in go {
-        let st = st.clone();
+    for (j, key) in go {
+        let slot = RunSlot { st: st.clone(), key };
         let router = router.clone();
-        tokio::spawn(async move { run(st, router, j).await });
+        tokio::spawn(async move { run(slot, router, j).await });
     }
     next.map(|ms| Duration::from_millis(ms.max(0) as u64))
 }
@@ -1015,18 +1091,30 @@ fn retarget(j: &JobRecord, body: Vec<u8>) -> (String, Vec<u8>) {
 }
 
 /// Runs a released job once and files it where its outcome sends it.
-async fn run(st: Arc<AppState>, router: axum::Router, mut j: JobRecord) {
+/// A run's place under its concurrency key (J4), given back however the run ends.
+struct RunSlot {
+    st: Arc<AppState>,
+    key: String,
+}
+
+impl Drop for RunSlot {
+    fn drop(&mut self) {
+        if let Some(n) = self.st.jobs.lock().running.get_mut(&self.key) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+async fn run(slot: RunSlot, router: axum::Router, mut j: JobRecord) {
+    let st = slot.st.clone();
     let started = tokio::time::Instant::now();
     let wf = st.workflows.for_job(&j.workflow);
-    let key_conc = concurrency_key(&j, &wf);
     // J8: the job records the version of its workflow its latest run went under.
     j.policy_version = wf.version.clone();
     let outcome = run_once(&st, router, &mut j, &wf).await;
+    drop(slot);
     {
         let mut inner = st.jobs.lock();
-        if let Some(n) = inner.running.get_mut(&key_conc) {
-            *n = n.saturating_sub(1);
-        }
         let ms = started.elapsed().as_millis() as f64;
         inner.run_ms = if inner.run_ms == 0.0 {
             ms
@@ -1045,13 +1133,9 @@ async fn run(st: Arc<AppState>, router: axum::Router, mut j: JobRecord) {
     } else {
         None
     };
-    if save(&st, vec![j.clone()], &audits).await.is_err() {
-        // The ledger refused: the job stays as the ledger last knew it (running), and a
-        // restart looks at its last run; memory keeps it from running again meanwhile.
-        tracing::error!(job = %j.id, "a job's outcome could not be recorded");
-    }
+    save_or_hold(&st, vec![j], &audits).await;
     if let Some((jobs, audit)) = held {
-        let _ = save(&st, jobs, &[audit]).await;
+        save_or_hold(&st, jobs, &[audit]).await;
     }
 }
 
@@ -1062,6 +1146,8 @@ struct Outcome {
     body: Bytes,
     /// The gateway's `retry-after`: when a refusal that sent nothing may be tried again.
     retry_after_ms: Option<u64>,
+    /// The answer was larger than the gateway keeps.
+    too_large: bool,
     report: Option<RunReport>,
     replayed: bool,
 }
@@ -1072,6 +1158,7 @@ async fn run_once(st: &Arc<AppState>, router: axum::Router, j: &mut JobRecord, w
         content_type: None,
         body: Bytes::from(msg.to_owned()),
         retry_after_ms: Some(5_000),
+        too_large: false,
         report: None,
         replayed: false,
     };
@@ -1086,6 +1173,7 @@ async fn run_once(st: &Arc<AppState>, router: axum::Router, j: &mut JobRecord, w
             content_type: None,
             body: Bytes::from_static(b"the job's request body is not in the ledger"),
             retry_after_ms: None,
+            too_large: false,
             report: None,
             replayed: false,
         };
@@ -1098,6 +1186,7 @@ async fn run_once(st: &Arc<AppState>, router: axum::Router, j: &mut JobRecord, w
             content_type: None,
             body: Bytes::from_static(b"the job's gateway key no longer exists or was revoked"),
             retry_after_ms: None,
+            too_large: false,
             report: None,
             replayed: false,
         };
@@ -1147,9 +1236,9 @@ async fn run_once(st: &Arc<AppState>, router: axum::Router, j: &mut JobRecord, w
         .and_then(|v| v.trim().parse::<u64>().ok())
         .map(|s| s * 1000);
     let limit = st.config.upstream.max_response_bytes as usize;
-    let body = match http_body_util::Limited::new(resp.into_body(), limit).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(_) => Bytes::new(),
+    let (body, too_large) = match http_body_util::Limited::new(resp.into_body(), limit).collect().await {
+        Ok(c) => (c.to_bytes(), false),
+        Err(_) => (Bytes::new(), status.is_success()),
     };
     let report = sink.lock().unwrap_or_else(|p| p.into_inner()).take();
     Outcome {
@@ -1157,6 +1246,7 @@ async fn run_once(st: &Arc<AppState>, router: axum::Router, j: &mut JobRecord, w
         content_type,
         body,
         retry_after_ms,
+        too_large,
         report,
         replayed,
     }
@@ -1167,6 +1257,12 @@ use http_body_util::BodyExt;
 /// Where a run's outcome sends the job.
 enum Verdict {
     Done,
+    /// H3: the provider may have acted before the run failed: the dead letter, where only
+    /// an owner's override replays it.
+    MayHaveActed,
+    /// The provider completed the work, but its answer is not here (an earlier run's copy
+    /// was not kept, or the answer was over the size limit): done, without a result.
+    DoneWithoutResult(&'static str),
     /// The request cannot succeed as it is (the provider or the gateway refused it).
     Invalid,
     Retry {
@@ -1245,7 +1341,7 @@ fn judge(o: &Outcome, channel_left: bool) -> Verdict {
     // H3: the provider may have acted (a hosted tool, a background run) before the
     // attempt failed: running it again could act twice, so a person looks first.
     if o.report.as_ref().and_then(|r| r.stop) == Some(spillway_ledger::StopReason::ProviderMayHaveActed) {
-        return Verdict::DeadLetter(DeadLetterTrigger::OutcomeUnknown);
+        return Verdict::MayHaveActed;
     }
     match rec.state {
         RequestState::Done | RequestState::ApiCompleted | RequestState::SideEffectPending if o.status.is_success() => {
@@ -1282,8 +1378,10 @@ fn judge(o: &Outcome, channel_left: bool) -> Verdict {
             | GatewayClass::UnsupportedMediaType
             | GatewayClass::PayloadTooLarge
             | GatewayClass::NoChannel
-            | GatewayClass::IdempotencyKeyReused
-            | GatewayClass::IdempotencyCompleted => Verdict::Invalid,
+            | GatewayClass::IdempotencyKeyReused => Verdict::Invalid,
+            GatewayClass::IdempotencyCompleted => {
+                Verdict::DoneWithoutResult("an earlier run completed; its response copy is not kept (I2)")
+            }
             GatewayClass::IdempotencyUnknown | GatewayClass::Interrupted => {
                 Verdict::DeadLetter(DeadLetterTrigger::OutcomeUnknown)
             }
@@ -1319,8 +1417,19 @@ fn file(st: &AppState, j: &mut JobRecord, wf: &Workflow, o: Outcome) -> Vec<Audi
     }
     j.last_status = Some(o.status.as_u16());
     j.retry_after_ms = o.retry_after_ms;
-    let verdict = judge(&o, route_has_channel(st, effective_route(j)));
+    let verdict = if o.too_large {
+        Verdict::DoneWithoutResult("the answer was over the gateway's max_response_bytes and is not kept")
+    } else {
+        judge(&o, route_has_channel(st, effective_route(j)))
+    };
     match verdict {
+        Verdict::DoneWithoutResult(why) => {
+            j.lane = None;
+            j.state = SUCCEEDED.into();
+            j.reason = Some(why.into());
+            j.result_status = None;
+            j.result = None;
+        }
         Verdict::Done => {
             j.lane = None;
             j.state = SUCCEEDED.into();
@@ -1347,6 +1456,20 @@ fn file(st: &AppState, j: &mut JobRecord, wf: &Workflow, o: Outcome) -> Vec<Audi
                 "gateway",
                 &format!("to_{}", j.state),
                 t.as_str(),
+                serde_json::json!([]),
+            ));
+        }
+        Verdict::MayHaveActed => {
+            to_dead_letter_or_fail(st, j, DeadLetterTrigger::OutcomeUnknown.as_str());
+            if j.lane.as_deref() == Some(DEAD_LETTER) {
+                j.reason = Some(MAY_HAVE_ACTED.into());
+            }
+            audits.push(audit(
+                "job",
+                &j.id,
+                "gateway",
+                &format!("to_{}", j.state),
+                MAY_HAVE_ACTED,
                 serde_json::json!([]),
             ));
         }
@@ -1582,6 +1705,7 @@ mod tests {
             content_type: None,
             body: Bytes::new(),
             retry_after_ms: None,
+            too_large: false,
             report: rec.map(|rec| RunReport {
                 rec,
                 provider_hint_ms: None,
@@ -1672,6 +1796,8 @@ mod tests {
         let gw = |c| Some(FailureClass::Gateway(c));
         let v = |status, r, left| match judge(&outcome(status, Some(r)), left) {
             Verdict::Done => "done".to_owned(),
+            Verdict::DoneWithoutResult(_) => "done without result".to_owned(),
+            Verdict::MayHaveActed => "may have acted".to_owned(),
             Verdict::Invalid => "invalid".to_owned(),
             Verdict::Retry { counted } => format!("retry counted={counted}"),
             Verdict::Review(t) => format!("review {}", t.as_str()),

@@ -56,6 +56,9 @@ CREATE TABLE jobs (
     batch_id                 TEXT
 );
 CREATE INDEX jobs_key ON jobs (key_name, idempotency_key, created_at);
+-- One submitted job per key and Idempotency-Key (replays share the key and are exempt):
+-- two submissions racing each other cannot both become jobs.
+CREATE UNIQUE INDEX jobs_submitted_once ON jobs (key_name, idempotency_key) WHERE replay_of IS NULL;
 CREATE INDEX jobs_open ON jobs (state) WHERE state IN ('queued', 'running', 'owner_review', 'dead_letter');
 CREATE INDEX jobs_created ON jobs (created_at);
 

@@ -589,6 +589,20 @@ async fn insert_audit(tx: &mut sqlx::Transaction<'_, Sqlite>, audit: &AuditEntry
     Ok(())
 }
 
+/// The job columns for listings: the body and result stay on disk.
+static JOB_LIST_COLUMNS: LazyLock<String> = LazyLock::new(|| {
+    columns(JOB_COLUMNS)
+        .map(|c| {
+            if c == "body" || c == "result" {
+                format!("NULL AS {c}")
+            } else {
+                c.to_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+});
+
 /// A job's row, inserted or replaced; a save without a body or result keeps the stored one.
 async fn upsert_job(tx: &mut sqlx::Transaction<'_, Sqlite>, j: &JobRecord) -> Result<()> {
     let request_ids = serde_json::to_string(&j.request_ids).map_err(|e| Error::Corrupt(e.to_string()))?;
@@ -1524,8 +1538,9 @@ impl LedgerBackend for SqliteBackend {
 
     async fn job_by_key(&self, key_name: &str, idempotency_key: &str) -> Result<Option<JobRecord>> {
         let row = sqlx::query(AssertSqlSafe(format!(
-            "SELECT {JOB_COLUMNS} FROM jobs WHERE key_name = ? AND idempotency_key = ? \
-             ORDER BY created_at DESC, rowid DESC LIMIT 1"
+            "SELECT {list} FROM jobs WHERE key_name = ? AND idempotency_key = ? \
+             ORDER BY created_at DESC, rowid DESC LIMIT 1",
+            list = *JOB_LIST_COLUMNS
         )))
         .bind(key_name)
         .bind(idempotency_key)
@@ -1536,8 +1551,9 @@ impl LedgerBackend for SqliteBackend {
 
     async fn open_jobs(&self) -> Result<Vec<JobRecord>> {
         let rows = sqlx::query(AssertSqlSafe(format!(
-            "SELECT {JOB_COLUMNS} FROM jobs WHERE state IN ('queued', 'running', 'owner_review', 'dead_letter') \
-             ORDER BY created_at"
+            "SELECT {list} FROM jobs WHERE state IN ('queued', 'running', 'owner_review', 'dead_letter') \
+             ORDER BY created_at",
+            list = *JOB_LIST_COLUMNS
         )))
         .fetch_all(&self.readers)
         .await?;
@@ -1546,7 +1562,8 @@ impl LedgerBackend for SqliteBackend {
 
     async fn recent_jobs(&self, limit: u32) -> Result<Vec<JobRecord>> {
         let rows = sqlx::query(AssertSqlSafe(format!(
-            "SELECT {JOB_COLUMNS} FROM jobs ORDER BY created_at DESC, rowid DESC LIMIT ?"
+            "SELECT {list} FROM jobs ORDER BY created_at DESC, rowid DESC LIMIT ?",
+            list = *JOB_LIST_COLUMNS
         )))
         .bind(i64::from(limit.min(1000)))
         .fetch_all(&self.readers)
