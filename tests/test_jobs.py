@@ -569,3 +569,46 @@ def test_j2_the_embedded_demo_fills_both_inboxes_within_two_minutes(tmp_path):
         assert code == 200 and d["replayable"] and d["evidence"]
     finally:
         stop(proc)
+
+
+CHAT_FALLBACK = """workflow: chat
+ai_api_queueing_strategy:
+  lanes:
+    interactive_admission: {{max_attempts: 2}}
+  fallback:
+    approved_quality_classes: [standard]
+{boundary}    routes:
+      - {{from: openai/gpt-4o-mini, to: openai/gpt-4.1, quality_class: standard, equivalent_tools: true,
+         schema_match: true, max_cost_usd: 1.0}}
+"""
+
+
+def test_k1_k2_f2_an_interactive_request_falls_back_only_under_its_workflows_contract(gateway_factory, tmp_path):
+    # spec: K1, K2, F2, F3
+    d = workflow_dir(tmp_path, chat=CHAT_FALLBACK.format(boundary=""),
+                     eu=CHAT_FALLBACK.format(boundary="    data_boundary: {providers: [openai], regions: [eu]}\n")
+                     .replace("workflow: chat", "workflow: eu"))
+    gw = gateway_factory(extra_yaml=f"workflows: {d}", channel_yaml="    region: us", extra_models=("gpt-4.1",))
+    ch = gw.channel("openai")
+    h = {"authorization": f"Bearer {gw.key}", "x-spillway-workflow": "chat"}
+    # The workflow's two attempts fail; the approved fallback answers, and says so.
+    gw.sim.set(ch, script=[{"fault": status(503), "times": 2}])
+    code, rh, body = call("POST", gw.url + "/v1/chat/completions", CHAT, h)
+    assert code == 200, body
+    assert rh["x-spillway-served-model"] == "gpt-4.1" and body["model"] == "gpt-4.1"
+    row = gw.request_row(rh["x-request-id"])
+    assert (row["requested_model"], row["served_model"], row["route"]) == ("gpt-4o-mini", "gpt-4.1", "openai/gpt-4.1")
+    assert row["attempts"] == 3 and gw.calls("openai") == 3
+    assert [a["decision"] for a in gw.attempts(rh["x-request-id"])] == ["retry", "failover", "done"]
+    # Across the data boundary (the channel is in `us`, the workflow allows `eu`): no
+    # fallback, the request fails closed after its own attempts.
+    gw.sim.set(ch, script=[{"fault": status(503), "times": 2}])
+    code, rh, body = call("POST", gw.url + "/v1/chat/completions", CHAT, {**h, "x-spillway-workflow": "eu"})
+    assert code == 502, body
+    assert gw.request_row(rh["x-request-id"])["served_model"] == "gpt-4o-mini"
+    assert gw.calls("openai") == 5
+    # Without a workflow that approves one there is no fallback at all.
+    gw.sim.set(ch, script=[{"fault": status(503), "times": 3}])
+    code, rh, _ = call("POST", gw.url + "/v1/chat/completions", CHAT, {"authorization": f"Bearer {gw.key}"})
+    assert code == 502 and gw.request_row(rh["x-request-id"])["served_model"] == "gpt-4o-mini"
+    gw.sim.set(ch)

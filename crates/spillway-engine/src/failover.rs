@@ -59,7 +59,8 @@ pub struct Ctx {
     /// J8: the request's workflow (J1, J7: its stream-recovery lane is where a stream
     /// waits to retry).
     pub workflow: Arc<spillway_policy::Workflow>,
-    /// A job's run: its workflow's `attempt_timeout_ms` instead of the channel's.
+    /// A job's run: its workflow's `attempt_timeout_ms` instead of the channel's. A job's
+    /// run makes one attempt and never falls back itself: the job decides both.
     pub attempt_timeout: Option<Duration>,
 }
 
@@ -158,6 +159,9 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
     let max_hint = st.config.upstream.max_wait_hint_ms;
     let mut admitted = first;
     let mut tried: Vec<String> = Vec::new();
+    // K1: attempts made before the request fell back to an approved route; the fallback
+    // gets its own attempt budget, within the same deadline. One fallback per request.
+    let mut attempts_before_fallback: Option<u32> = None;
     // D7: while every failure is a pacing 429 (or a capacity wait), running out answers
     // 429; any provider failure (5xx, 529, a timeout, an unreachable channel) makes it 502.
     let mut all_paced = true;
@@ -242,7 +246,7 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
                 };
                 let f = Failure {
                     visible_output: false,
-                    attempts: life.rec.attempts,
+                    attempts: life.rec.attempts - attempts_before_fallback.unwrap_or(0),
                     max_attempts,
                     hint,
                     failover_ready: survey.untried_ready,
@@ -268,6 +272,46 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
             d => d,
         };
 
+        // K1, F2: out of attempts, before any output reached the client (a stream that
+        // showed output never comes back here): the workflow's approved fallback, when its
+        // contract holds and its breaker lets it send.
+        if decision == Decision::FailClosed(Stop::AttemptBudgetExhausted)
+            && attempts_before_fallback.is_none()
+            && ctx.probe.is_none()
+            && ctx.attempt_timeout.is_none()
+            && let Some((route, candidates, rewritten)) = fallback_for(&st, ctx, life)
+        {
+            let now = Instant::now();
+            let max_wait = ctx.capacity_wait_left.min(ctx.deadline.saturating_duration_since(now));
+            let old_candidates = std::mem::replace(&mut ctx.candidates, candidates);
+            match routing::admit(&ctx.candidates, ctx.tokens, &[], max_wait, life.wait_guard()).await {
+                Ok(a) => {
+                    att.decision = Some(Recorded::Failover);
+                    att.message = Some(format!(
+                        "{}; falling back to {} under workflow `{}`",
+                        att.message.as_deref().unwrap_or("attempts exhausted"),
+                        route.name,
+                        ctx.workflow.name
+                    ));
+                    life.record_attempt(att).await;
+                    if let Some(w) = a.waited {
+                        ctx.capacity_wait_left = ctx.capacity_wait_left.saturating_sub(w);
+                    }
+                    attempts_before_fallback = Some(life.rec.attempts);
+                    let (model, uri, body) = rewritten;
+                    life.fell_back(&route.name, &model);
+                    ctx.parsed.model = model;
+                    ctx.uri = uri;
+                    ctx.body = body;
+                    ctx.route = route;
+                    tried.clear();
+                    life.next_attempt(&a.channel.cfg.name, a.waited).await;
+                    admitted = a;
+                    continue;
+                }
+                Err(_) => ctx.candidates = old_candidates,
+            }
+        }
         let delay = match decision {
             Decision::FailClosed(stop) => {
                 att.decision = Some(Recorded::FailClosed);
@@ -398,6 +442,48 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
             }
         }
     }
+}
+
+/// K1: the approved fallback of the request's workflow from its route whose contract
+/// holds and whose breaker is closed: its control, its channel group, and the request
+/// rewritten for it (model, path, body).
+#[allow(clippy::type_complexity)]
+fn fallback_for(
+    st: &Arc<AppState>,
+    ctx: &Ctx,
+    life: &Life,
+) -> Option<(Arc<crate::control::RouteControl>, Vec<Arc<ChannelRt>>, (String, Uri, Bytes))> {
+    let from = format!("{}/{}", ctx.format, ctx.parsed.model);
+    let routes = ctx.workflow.fallbacks_from(&from);
+    if routes.is_empty() || !ctx.workflow.fallback.allowed_before_first_token {
+        return None;
+    }
+    // The contract reads the request as a job would be read: its body, its estimate.
+    let probe = spillway_ledger::JobRecord {
+        format: ctx.format.as_str().to_owned(),
+        api: crate::jobs::api_str(ctx.api).to_owned(),
+        body: Some(ctx.body.to_vec()),
+        estimated_input_tokens: life.rec.estimated_input_tokens,
+        estimated_output_tokens: life.estimated_output_tokens(),
+        ..Default::default()
+    };
+    for r in routes {
+        if crate::contract::check(st, &ctx.workflow, &probe, r) != crate::contract::Verdict::Holds {
+            continue;
+        }
+        let (_, model) = crate::jobs::split_route(&r.to)?;
+        let route = st.control.route(st, ctx.format, model);
+        if !route.sending() {
+            continue;
+        }
+        let candidates = routing::candidates(st, ctx.format, model, None);
+        if candidates.is_empty() {
+            continue;
+        }
+        let rewritten = crate::jobs::retarget_request(ctx.format, &ctx.parsed.model, model, &ctx.uri, &ctx.body)?;
+        return Some((route, candidates, rewritten));
+    }
+    None
 }
 
 fn alert_ejection(st: &AppState, signal: &Signal, channel: &str) {

@@ -676,7 +676,7 @@ pub async fn submit(st: &Arc<AppState>, life: Life, s: Submission<'_>) -> Respon
     r
 }
 
-fn api_str(a: Api) -> &'static str {
+pub(crate) fn api_str(a: Api) -> &'static str {
     match a {
         Api::Generate => "generate",
         Api::Responses => "responses",
@@ -1060,6 +1060,25 @@ fn to_dead_letter_or_fail(st: &AppState, j: &mut JobRecord, reason: &str) {
         j.state = FAILED.into();
         j.reason = Some(reason.into());
     }
+}
+
+/// K1: an interactive request rewritten for a fallback's `model`: the model in the body
+/// (OpenAI, Anthropic) or in the path (Gemini). None when the body cannot be rewritten.
+pub(crate) fn retarget_request(
+    format: Format,
+    from: &str,
+    model: &str,
+    uri: &http::Uri,
+    body: &Bytes,
+) -> Option<(String, http::Uri, Bytes)> {
+    if format == Format::Gemini {
+        let pq = uri.path_and_query().map(|p| p.as_str()).unwrap_or(uri.path());
+        let rewritten = pq.replacen(&format!("/models/{from}:"), &format!("/models/{model}:"), 1);
+        return Some((model.to_owned(), rewritten.parse().ok()?, body.clone()));
+    }
+    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    v.as_object_mut()?.insert("model".into(), model.into());
+    Some((model.to_owned(), uri.clone(), Bytes::from(serde_json::to_vec(&v).ok()?)))
 }
 
 /// The body and path of a run on `route` (the job's own, or a fallback's model).

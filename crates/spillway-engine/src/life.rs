@@ -184,6 +184,13 @@ impl Life {
         self.estimated_output
     }
 
+    /// K1, K2: the request fell back to `route` (`format/model`): it is served by `model`
+    /// (priced as it), and its record keeps the model it asked for.
+    pub fn fell_back(&mut self, route: &str, model: &str) {
+        self.rec.served_model = Some(model.to_owned());
+        self.rec.route = Some(route.to_owned());
+    }
+
     /// B4: the key whose owner the request's cost is charged to when it closes.
     pub fn set_key(&mut self, key: Arc<crate::state::KeyRt>) {
         self.key = Some(key);
