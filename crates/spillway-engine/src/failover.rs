@@ -452,7 +452,11 @@ fn fallback_for(
     st: &Arc<AppState>,
     ctx: &Ctx,
     life: &Life,
-) -> Option<(Arc<crate::control::RouteControl>, Vec<Arc<ChannelRt>>, (String, Uri, Bytes))> {
+) -> Option<(
+    Arc<crate::control::RouteControl>,
+    Vec<Arc<ChannelRt>>,
+    (String, Uri, Bytes),
+)> {
     let from = format!("{}/{}", ctx.format, ctx.parsed.model);
     let routes = ctx.workflow.fallbacks_from(&from);
     if routes.is_empty() || !ctx.workflow.fallback.allowed_before_first_token {

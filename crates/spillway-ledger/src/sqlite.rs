@@ -1555,7 +1555,9 @@ impl LedgerBackend for SqliteBackend {
              ORDER BY created_at",
             list = *JOB_LIST_COLUMNS
         )))
-        .fetch_all(&self.readers)
+        // Read once, at start-up, on the writer's connection: the start-up's other reads
+        // hold a reader, and a second one would open (with its own page cache) only for this.
+        .fetch_all(&mut self.writable().await?.0)
         .await?;
         rows.iter().map(|r| job_from_row(r, false)).collect()
     }
