@@ -306,14 +306,15 @@ const JOB_REASON: Record<string, string> = {
   outcome_unknown: 'outcome unknown',
   retry_after_exceeds_deadline: "the provider's wait is past the job's deadline",
   bulk_replay_stopped: 'its bulk replay stopped before running it',
+  provider_may_have_acted: 'the provider may have acted before the run failed (replay by owner override only)',
   invalid_request: 'invalid request',
 }
 
 /** The reasons and classes a job list can be filtered by, for the filter's suggestions. */
-export const JOB_FILTER_CODES: string[] = [
+export const JOB_FILTER_CODES: string[] = [...new Set([
   ...Object.keys(JOB_REASON),
   ...Object.keys(ERROR_CLASS).filter((c) => c !== 'success'),
-]
+])]
 
 export function jobReason(r: string | null | undefined): string {
   if (!r) return '—'

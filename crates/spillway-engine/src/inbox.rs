@@ -7,6 +7,7 @@ use crate::admin::{RequestDetail, admin_error, json_body};
 use crate::clock;
 use crate::contract::{self, Verdict};
 use crate::jobs::{self, BACKGROUND, DEAD_LETTER, JobView, LaneDepths, OWNER_REVIEW, QUEUED, REJECTED, REPLAYED};
+use crate::money::audit;
 use crate::state::AppState;
 use axum::Router;
 use axum::extract::{Path, Query, State};
@@ -14,7 +15,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
-use spillway_ledger::{AuditEntry, JobRecord, Reconciliation, RequestState};
+use spillway_ledger::{JobRecord, Reconciliation, RequestState};
 use spillway_wire::UnixMs;
 use std::sync::Arc;
 use ts_rs::TS;
@@ -86,20 +87,6 @@ fn ledger_down(e: impl std::fmt::Display) -> Response {
 fn text_field(v: &Option<String>, max: usize) -> Option<String> {
     let t = v.as_deref()?.trim();
     (!t.is_empty() && t.chars().count() <= max && !t.chars().any(char::is_control)).then(|| t.to_owned())
-}
-
-fn audit(kind: &str, subject: &str, actor: &str, action: &str, reason: &str, figures: serde_json::Value) -> AuditEntry {
-    AuditEntry {
-        id: 0,
-        at: clock::now(),
-        kind: kind.into(),
-        subject: subject.into(),
-        actor: actor.into(),
-        action: action.into(),
-        trigger: None,
-        reason: reason.into(),
-        figures: Some(figures.to_string()),
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -261,14 +248,7 @@ async fn load(st: &AppState, id: &str) -> Result<JobRecord, Response> {
         return Err(admin_error(StatusCode::NOT_FOUND, "No job with that id."));
     }
     match st.ledger.store().job(id).await {
-        Ok(Some(mut j)) => {
-            if let Some(m) = st.jobs.get(id) {
-                // Memory is current for a running job.
-                j.state = m.state;
-                j.attempt = m.attempt;
-            }
-            Ok(j)
-        }
+        Ok(Some(j)) => Ok(st.jobs.current(j)),
         Ok(None) => Err(admin_error(StatusCode::NOT_FOUND, "No job with that id.")),
         Err(e) => Err(ledger_down(e)),
     }

@@ -18,6 +18,7 @@
 use crate::clock;
 use crate::error::GatewayError;
 use crate::life::{End, Life};
+use crate::money::audit;
 use crate::state::{AppState, KeyRt};
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -330,20 +331,6 @@ fn run_key(j: &JobRecord) -> String {
     }
 }
 
-fn audit(kind: &str, subject: &str, actor: &str, action: &str, reason: &str, figures: serde_json::Value) -> AuditEntry {
-    AuditEntry {
-        id: 0,
-        at: clock::now(),
-        kind: kind.into(),
-        subject: subject.into(),
-        actor: actor.into(),
-        action: action.into(),
-        trigger: None,
-        reason: reason.into(),
-        figures: Some(figures.to_string()),
-    }
-}
-
 impl Jobs {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
@@ -358,6 +345,20 @@ impl Jobs {
 
     pub fn get(&self, id: &str) -> Option<JobRecord> {
         self.lock().open.get(id).cloned()
+    }
+
+    /// The job as it stands: memory is never behind the ledger (a state is shown in
+    /// memory as it is saved, and a running job's only there), the ledger has the body
+    /// and result.
+    pub fn current(&self, stored: JobRecord) -> JobRecord {
+        match self.get(&stored.id) {
+            Some(mut m) => {
+                m.body = stored.body;
+                m.result = stored.result;
+                m
+            }
+            None => stored,
+        }
     }
 
     /// J7: jobs of `workflow` in `lane` now.
@@ -783,14 +784,10 @@ async fn own_job(
         return Err(not_found());
     }
     match st.ledger.store().job(id).await {
-        Ok(Some(mut j)) if j.key_name == key.key.name => {
+        Ok(Some(j)) if j.key_name == key.key.name => {
             // Memory is ahead of nothing (saves go to the ledger first), but a running job's
             // state is only in memory until its run ends.
-            if let Some(m) = st.jobs.get(id) {
-                j.state = m.state;
-                j.attempt = m.attempt;
-            }
-            Ok((j, format))
+            Ok((st.jobs.current(j), format))
         }
         Ok(_) => Err(not_found()),
         Err(e) => {

@@ -177,7 +177,15 @@ fn valid_name(s: &str) -> bool {
     !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
 }
 
-fn audit(kind: &str, subject: &str, actor: &str, action: &str, reason: &str, figures: serde_json::Value) -> AuditEntry {
+/// An audit entry made now, its figures as JSON.
+pub(crate) fn audit(
+    kind: &str,
+    subject: &str,
+    actor: &str,
+    action: &str,
+    reason: &str,
+    figures: serde_json::Value,
+) -> AuditEntry {
     AuditEntry {
         id: 0,
         at: clock::now(),

@@ -9,7 +9,7 @@
 use crate::clock;
 use crate::error::GatewayError;
 use crate::state::{AppState, Severity};
-use spillway_ledger::{AuditEntry, PolicyVersion};
+use spillway_ledger::PolicyVersion;
 use spillway_policy::Workflow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -396,20 +396,6 @@ enum Event {
     },
 }
 
-fn audit(subject: &str, actor: &str, action: &str, reason: &str, figures: serde_json::Value) -> AuditEntry {
-    AuditEntry {
-        id: 0,
-        at: clock::now(),
-        kind: "policy".into(),
-        subject: subject.into(),
-        actor: actor.into(),
-        action: action.into(),
-        trigger: None,
-        reason: reason.into(),
-        figures: Some(figures.to_string()),
-    }
-}
-
 async fn record_version(st: &AppState, w: &Workflow, text: &str) {
     let v = PolicyVersion {
         workflow: w.name.clone(),
@@ -428,7 +414,8 @@ async fn announce(st: &AppState, ev: Event, actor: &str, reason: &str) {
         Event::Loaded { file, old, new, text } => {
             record_version(st, &new, &text).await;
             let from = old.as_ref().map(|o| o.version.clone());
-            let entry = audit(
+            let entry = crate::money::audit(
+                "policy",
                 &new.name,
                 actor,
                 "loaded",
