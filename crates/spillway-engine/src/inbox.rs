@@ -338,26 +338,32 @@ fn allowed_route(st: &AppState, j: &JobRecord, route: &str) -> Result<(), String
     }
 }
 
-async fn approve(State(st): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Bytes) -> Response {
-    let (reviewer, reason, route) = match decision(&body) {
-        Ok(d) => d,
-        Err(r) => return r,
-    };
-    if let Some(r) = not_ready(&st) {
-        return r;
+/// K3: a decision's form, checked, and the job it is about, held for it: one decision at
+/// a time, on a job still awaiting one.
+#[allow(clippy::result_large_err)]
+#[allow(clippy::type_complexity)]
+async fn awaiting_review<'a>(
+    st: &'a AppState,
+    id: &str,
+    body: &[u8],
+) -> Result<(String, String, Option<String>, jobs::JobClaim<'a>, JobRecord), Response> {
+    let (reviewer, reason, route) = decision(body)?;
+    if let Some(r) = not_ready(st) {
+        return Err(r);
     }
-    // K3: one decision at a time, on a job still awaiting it.
-    let _claim = match st.jobs.claim(&id, OWNER_REVIEW) {
-        Ok(c) => c,
-        Err(why) => {
-            return admin_error(
-                StatusCode::CONFLICT,
-                format!("Job {id} is not awaiting an owner: {why}."),
-            );
-        }
-    };
-    let mut j = match load(&st, &id).await {
-        Ok(j) => j,
+    let claim = st.jobs.claim(id, OWNER_REVIEW).map_err(|why| {
+        admin_error(
+            StatusCode::CONFLICT,
+            format!("Job {id} is not awaiting an owner: {why}."),
+        )
+    })?;
+    let j = load(st, id).await?;
+    Ok((reviewer, reason, route, claim, j))
+}
+
+async fn approve(State(st): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Bytes) -> Response {
+    let (reviewer, reason, route, _claim, mut j) = match awaiting_review(&st, &id, &body).await {
+        Ok(v) => v,
         Err(r) => return r,
     };
     if let Some(r) = &route
@@ -404,24 +410,8 @@ async fn approve(State(st): State<Arc<AppState>>, Path(id): Path<String>, body: 
 }
 
 async fn reject(State(st): State<Arc<AppState>>, Path(id): Path<String>, body: axum::body::Bytes) -> Response {
-    let (reviewer, reason, _) = match decision(&body) {
-        Ok(d) => d,
-        Err(r) => return r,
-    };
-    if let Some(r) = not_ready(&st) {
-        return r;
-    }
-    let _claim = match st.jobs.claim(&id, OWNER_REVIEW) {
-        Ok(c) => c,
-        Err(why) => {
-            return admin_error(
-                StatusCode::CONFLICT,
-                format!("Job {id} is not awaiting an owner: {why}."),
-            );
-        }
-    };
-    let mut j = match load(&st, &id).await {
-        Ok(j) => j,
+    let (reviewer, reason, _, _claim, mut j) = match awaiting_review(&st, &id, &body).await {
+        Ok(v) => v,
         Err(r) => return r,
     };
     let now = clock::now();
@@ -763,7 +753,7 @@ fn replay_job(
     let now = clock::now();
     let wf = st.workflows.for_job(&old.workflow);
     let mut j = old.clone();
-    j.id = jobs::new_id();
+    j.id = jobs::new_job_id();
     j.route_override = (route != old.route).then(|| route.to_owned());
     j.served_model = None;
     j.lane = Some(BACKGROUND.into());
@@ -1066,7 +1056,7 @@ async fn bulk_replay(State(st): State<Arc<AppState>>, body: axum::body::Bytes) -
     if let Some(r) = not_ready(&st) {
         return r;
     }
-    let batch = format!("batch_{}", &jobs::new_id()[4..20]);
+    let batch = format!("batch_{}", &jobs::new_job_id()[4..20]);
     let mut saves = Vec::new();
     let mut made = Vec::new();
     let mut claims = Vec::new();

@@ -279,7 +279,7 @@ pub fn stored_path(uri: &http::Uri) -> String {
     }
 }
 
-fn new_job_id() -> String {
+pub fn new_job_id() -> String {
     format!("job_{:032x}", rand::rng().random::<u128>())
 }
 
@@ -434,6 +434,16 @@ impl Jobs {
             .map(|_| StreamRecovery(&self.stream_recovery))
     }
 
+    /// Shows saved jobs in memory, without bodies: a run reads its body back from the
+    /// ledger.
+    fn show(&self, jobs: Vec<JobRecord>) {
+        for mut j in jobs {
+            j.body = None;
+            j.result = None;
+            self.put(j);
+        }
+    }
+
     fn put(&self, j: JobRecord) {
         let mut i = self.lock();
         if j.lane.is_some() {
@@ -452,12 +462,7 @@ pub async fn save(st: &AppState, jobs: Vec<JobRecord>, audits: &[AuditEntry]) ->
         tracing::error!(error = %e, "the ledger could not record a job");
         return Err(GatewayError::LedgerUnavailable);
     }
-    for mut j in jobs {
-        // Memory keeps no bodies: a run reads its body back from the ledger.
-        j.body = None;
-        j.result = None;
-        st.jobs.put(j);
-    }
+    st.jobs.show(jobs);
     Ok(())
 }
 
@@ -468,11 +473,7 @@ async fn save_or_hold(st: &AppState, jobs: Vec<JobRecord>, audits: &[AuditEntry]
     if let Err(e) = st.ledger.store().save_jobs(&jobs, audits).await {
         tracing::error!(error = %e, jobs = jobs.len(), "the ledger could not record a job's move; kept in memory");
     }
-    for mut j in jobs {
-        j.body = None;
-        j.result = None;
-        st.jobs.put(j);
-    }
+    st.jobs.show(jobs);
 }
 
 /// What ingress hands over for a submission.
@@ -1288,18 +1289,6 @@ enum Verdict {
     DeadLetter(DeadLetterTrigger),
 }
 
-/// E2: whether a channel serving `route` is still in rotation (a quota or credential
-/// refusal on one channel moves the work to another before a person is asked).
-fn route_has_channel(st: &AppState, route: &str) -> bool {
-    let Some((format, model)) = split_route(route) else {
-        return false;
-    };
-    let now = tokio::time::Instant::now();
-    st.channels
-        .iter()
-        .any(|c| c.cfg.format == format && c.cfg.serves(model) && c.health.check(0, now).is_ok())
-}
-
 /// E2: where a route's channels stand for background work.
 enum Rotation {
     /// Some channel takes work now.
@@ -1436,7 +1425,9 @@ fn file(st: &AppState, j: &mut JobRecord, wf: &Workflow, o: Outcome) -> Vec<Audi
     let verdict = if o.too_large {
         Verdict::DoneWithoutResult("the answer was over the gateway's max_response_bytes and is not kept")
     } else {
-        judge(&o, route_has_channel(st, effective_route(j)))
+        // E2: a quota or credential refusal on one channel moves the work to another
+        // still in rotation before a person is asked.
+        judge(&o, matches!(rotation(st, effective_route(j)), Rotation::Open))
     };
     match verdict {
         Verdict::DoneWithoutResult(why) => {
@@ -1691,10 +1682,6 @@ pub fn open_batch(st: &AppState, batch: &str, stop_after_failures: u32) {
             stopped: false,
         },
     );
-}
-
-pub fn new_id() -> String {
-    new_job_id()
 }
 
 #[cfg(test)]
