@@ -13,6 +13,7 @@ mod idem;
 mod jobs;
 mod lock;
 mod record;
+mod recovery;
 mod sqlite;
 mod writer;
 
@@ -25,6 +26,7 @@ pub use record::{
     AttemptRecord, Decision, FailureClass, GatewayClass, MAX_MESSAGE, Page, Reconciliation, RequestRecord,
     RequestState, Resolution, Search, StopReason, truncate,
 };
+pub use recovery::{DayFigures, ErrorCount, RecoveryRow, ScoreRow, rank};
 pub use sqlite::{Durability, SqliteBackend};
 pub use writer::{Ledger, LedgerHealth};
 
@@ -166,6 +168,45 @@ pub trait LedgerBackend: Send + Sync + 'static {
     async fn save_policy_version(&self, v: &PolicyVersion) -> Result<bool>;
     /// Every recorded version (of `workflow` when given), newest first per workflow.
     async fn policy_versions(&self, workflow: Option<&str>) -> Result<Vec<PolicyVersion>>;
+    /// O1-O5: saves a recovery run's whole row and appends `audit`, in one durable
+    /// transaction.
+    async fn save_recovery(&self, _run: &RecoveryRow, _audit: &[AuditEntry]) -> Result<()> {
+        Err(Error::Unavailable("this store keeps no recovery runs".into()))
+    }
+    /// The newest runs (open ones first), at most `limit`.
+    async fn recoveries(&self, _limit: u32) -> Result<Vec<RecoveryRow>> {
+        Ok(Vec::new())
+    }
+    /// N1: per-route figures of the requests received in `[from, to)` (of `route` only
+    /// when given), each route's row then `overall`.
+    async fn scorecard(&self, _from: UnixMs, _to: UnixMs, _route: Option<&str>) -> Result<Vec<ScoreRow>> {
+        Ok(Vec::new())
+    }
+    /// N3: per route and UTC day, the figures of requests received in `[from, to)`.
+    async fn daily(&self, _from: UnixMs, _to: UnixMs) -> Result<Vec<DayFigures>> {
+        Ok(Vec::new())
+    }
+    /// O1: each workflow's policy version on `route`'s last answered request received
+    /// in `[from, to)`: the last known good before an incident.
+    async fn last_good_versions(&self, _route: &str, _from: UnixMs, _to: UnixMs) -> Result<Vec<(String, String)>> {
+        Ok(Vec::new())
+    }
+    /// O1: the requests of `route` received in `[from, to)`, oldest first, at most
+    /// `limit`, each with its attempts: the evidence bundle's rows.
+    async fn route_requests(
+        &self,
+        _route: &str,
+        _from: UnixMs,
+        _to: UnixMs,
+        _limit: u32,
+    ) -> Result<Vec<(RequestRecord, Vec<AttemptRecord>)>> {
+        Ok(Vec::new())
+    }
+    /// O4, N3: jobs of `route` (every route when None) whose deadline fell in `[from, to)`
+    /// and that missed it: dead-lettered, or answered after it (no bodies).
+    async fn overruns(&self, _route: Option<&str>, _from: UnixMs, _to: UnixMs) -> Result<Vec<JobRecord>> {
+        Ok(Vec::new())
+    }
     /// Housekeeping the writer must not pay for on its commits (WAL checkpoints).
     /// Returns how many pages (WAL frames) it folded back into the database.
     async fn maintain(&self) -> Result<u64>;

@@ -134,10 +134,12 @@ pub enum GatewayClass {
     DailyBudget,
     /// J7: the lane a job would enter was at its maximum length (429).
     LaneFull,
+    /// O1: a recovery run holds the route (isolated, or resuming below full concurrency).
+    RecoveryHold,
 }
 
 impl GatewayClass {
-    pub const ALL: [GatewayClass; 26] = [
+    pub const ALL: [GatewayClass; 27] = [
         GatewayClass::ClientAuth,
         GatewayClass::InvalidBody,
         GatewayClass::UnsupportedMediaType,
@@ -164,6 +166,7 @@ impl GatewayClass {
         GatewayClass::SpendLimit,
         GatewayClass::DailyBudget,
         GatewayClass::LaneFull,
+        GatewayClass::RecoveryHold,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -194,6 +197,7 @@ impl GatewayClass {
             GatewayClass::SpendLimit => "spend_limit",
             GatewayClass::DailyBudget => "daily_budget",
             GatewayClass::LaneFull => "lane_full",
+            GatewayClass::RecoveryHold => "recovery_hold",
         }
     }
 
@@ -312,10 +316,12 @@ pub enum StopReason {
     ProviderMayHaveActed,
     /// J1, J7: the stream-recovery lane was full: a stream did not wait to retry.
     LaneFull,
+    /// O1: a recovery run isolates the route: automatic retries are off until its drain.
+    RecoveryHold,
 }
 
 impl StopReason {
-    pub const ALL: [StopReason; 11] = [
+    pub const ALL: [StopReason; 12] = [
         StopReason::PartialOutputCommitted,
         StopReason::AttemptBudgetExhausted,
         StopReason::RetryAfterExceedsDeadline,
@@ -327,6 +333,7 @@ impl StopReason {
         StopReason::BreakerOpen,
         StopReason::ProviderMayHaveActed,
         StopReason::LaneFull,
+        StopReason::RecoveryHold,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -342,6 +349,7 @@ impl StopReason {
             StopReason::BreakerOpen => "breaker_open",
             StopReason::ProviderMayHaveActed => "provider_may_have_acted",
             StopReason::LaneFull => "lane_full",
+            StopReason::RecoveryHold => "recovery_hold",
         }
     }
 

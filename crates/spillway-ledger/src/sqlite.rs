@@ -12,10 +12,10 @@
 
 use crate::jobs::JOB_COLUMNS;
 use crate::{
-    Accounts, AttemptRecord, AuditEntry, BalanceEntry, ControlState, CostCell, Decision, Error, FailureClass,
-    JobRecord, KeySpend, KeyedRequest, LedgerBackend, LedgerFigures, LedgerLock, Page, Payload, PolicyVersion,
-    PruneReport, Reconcile, Reconciliation, RequestRecord, RequestState, Result, RouteCount, Search, SideEffect,
-    SpendRow, StopReason, StoredKey, StoredResponse,
+    Accounts, AttemptRecord, AuditEntry, BalanceEntry, ControlState, CostCell, DayFigures, Decision, Error, ErrorCount,
+    FailureClass, JobRecord, KeySpend, KeyedRequest, LedgerBackend, LedgerFigures, LedgerLock, Page, Payload,
+    PolicyVersion, PruneReport, Reconcile, Reconciliation, RecoveryRow, RequestRecord, RequestState, Result,
+    RouteCount, ScoreRow, Search, SideEffect, SpendRow, StopReason, StoredKey, StoredResponse,
 };
 use async_trait::async_trait;
 use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
@@ -1581,6 +1581,314 @@ impl LedgerBackend for SqliteBackend {
         .fetch_all(&self.readers)
         .await?;
         rows.iter().map(request_from_row).collect()
+    }
+
+    async fn save_recovery(&self, run: &RecoveryRow, audit: &[AuditEntry]) -> Result<()> {
+        let mut w = self.writable().await?;
+        let mut tx = w.0.begin().await?;
+        sqlx::query(
+            "INSERT INTO recovery_runs (id, route, drill, step, opened_at, closed_at, body) VALUES (?, ?, ?, ?, ?, ?, ?) \
+             ON CONFLICT (id) DO UPDATE SET step = excluded.step, closed_at = excluded.closed_at, body = excluded.body",
+        )
+        .bind(&run.id)
+        .bind(&run.route)
+        .bind(&run.drill)
+        .bind(&run.step)
+        .bind(run.opened_at.0)
+        .bind(run.closed_at.map(|c| c.0))
+        .bind(&run.body)
+        .execute(&mut *tx)
+        .await?;
+        for a in audit {
+            insert_audit(&mut tx, a).await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn recoveries(&self, limit: u32) -> Result<Vec<RecoveryRow>> {
+        let rows = sqlx::query(
+            "SELECT id, route, drill, step, opened_at, closed_at, body FROM recovery_runs \
+             ORDER BY closed_at IS NOT NULL, opened_at DESC LIMIT ?",
+        )
+        .bind(i64::from(limit.clamp(1, 10_000)))
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(RecoveryRow {
+                    id: r.try_get("id")?,
+                    route: r.try_get("route")?,
+                    drill: r.try_get("drill")?,
+                    step: r.try_get("step")?,
+                    opened_at: UnixMs(r.try_get("opened_at")?),
+                    closed_at: r.try_get::<Option<i64>, _>("closed_at")?.map(UnixMs),
+                    body: r.try_get("body")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn scorecard(&self, from: UnixMs, to: UnixMs, route: Option<&str>) -> Result<Vec<ScoreRow>> {
+        // Rows by their key: a UUIDv7 id starts with its millisecond (`received_at`).
+        let (lo, hi) = (uuid_floor(from), uuid_floor(to));
+        let window = "id >= ?1 AND id < ?2 AND route IS NOT NULL AND (?3 IS NULL OR route = ?3)";
+        let mut rows: Vec<ScoreRow> = Vec::new();
+        let agg = sqlx::query(AssertSqlSafe(format!(
+            "SELECT route, COUNT(*), COALESCE(SUM(attempts), 0), COALESCE(SUM(attempts > 0), 0), \
+             COALESCE(SUM(state = 'done'), 0), COALESCE(SUM(attempts > 1), 0), \
+             COALESCE(SUM(state = 'failed'), 0), COALESCE(SUM(state = 'unknown'), 0), \
+             COALESCE(SUM(cost_usd), 0.0), COALESCE(SUM(cost_usd IS NULL AND attempts > 0), 0), \
+             COALESCE(SUM(attempts > 1 AND state = 'done'), 0), COALESCE(SUM(MAX(attempts - 1, 0)), 0) \
+             FROM requests WHERE {window} GROUP BY route ORDER BY route"
+        )))
+        .bind(&lo)
+        .bind(&hi)
+        .bind(route)
+        .fetch_all(&self.readers)
+        .await?;
+        let n = |r: &SqliteRow, i: usize| -> Result<u64> { Ok(r.try_get::<i64, _>(i)?.max(0) as u64) };
+        let mut overall = ScoreRow {
+            route: "overall".into(),
+            ..ScoreRow::default()
+        };
+        let (mut attempted_all, mut retried_all, mut retried_ok_all) = (0u64, 0u64, 0u64);
+        for r in &agg {
+            let (requests, attempts, attempted, succeeded) = (n(r, 1)?, n(r, 2)?, n(r, 3)?, n(r, 4)?);
+            let (retried, retried_ok) = (n(r, 5)?, n(r, 10)?);
+            let row = ScoreRow {
+                route: r.try_get(0)?,
+                requests,
+                attempts,
+                retries: n(r, 11)?,
+                amplification: (attempted > 0).then(|| attempts as f64 / attempted as f64),
+                success_rate: (requests > 0).then(|| succeeded as f64 / requests as f64),
+                post_retry_success_rate: (retried > 0).then(|| retried_ok as f64 / retried as f64),
+                succeeded,
+                failed: n(r, 6)?,
+                unknowns: n(r, 7)?,
+                cost_usd: r.try_get(8)?,
+                unpriced: n(r, 9)?,
+                ..ScoreRow::default()
+            };
+            overall.requests += row.requests;
+            overall.attempts += row.attempts;
+            overall.retries += row.retries;
+            overall.succeeded += row.succeeded;
+            overall.failed += row.failed;
+            overall.unknowns += row.unknowns;
+            overall.cost_usd += row.cost_usd;
+            overall.unpriced += row.unpriced;
+            attempted_all += attempted;
+            retried_all += retried;
+            retried_ok_all += retried_ok;
+            rows.push(row);
+        }
+        overall.amplification = (attempted_all > 0).then(|| overall.attempts as f64 / attempted_all as f64);
+        overall.success_rate = (overall.requests > 0).then(|| overall.succeeded as f64 / overall.requests as f64);
+        overall.post_retry_success_rate = (retried_all > 0).then(|| retried_ok_all as f64 / retried_all as f64);
+        let idx = |rows: &[ScoreRow], route: &str| rows.iter().position(|r| r.route == route);
+
+        let mix = sqlx::query(AssertSqlSafe(format!(
+            "SELECT route, COALESCE(error_class, 'unclassified'), COUNT(*) FROM requests \
+             WHERE {window} AND state = 'failed' GROUP BY 1, 2 ORDER BY 3 DESC, 2"
+        )))
+        .bind(&lo)
+        .bind(&hi)
+        .bind(route)
+        .fetch_all(&self.readers)
+        .await?;
+        for r in &mix {
+            let (route, class, count): (String, String, u64) = (r.try_get(0)?, r.try_get(1)?, n(r, 2)?);
+            if let Some(i) = idx(&rows, &route) {
+                rows[i].error_mix.push(ErrorCount {
+                    class: class.clone(),
+                    count,
+                });
+            }
+            match overall.error_mix.iter_mut().find(|e| e.class == class) {
+                Some(e) => e.count += count,
+                None => overall.error_mix.push(ErrorCount { class, count }),
+            }
+        }
+        overall
+            .error_mix
+            .sort_by(|a, b| b.count.cmp(&a.count).then(a.class.cmp(&b.class)));
+
+        let dups = sqlx::query(AssertSqlSafe(format!(
+            "SELECT route, COUNT(*) FROM (SELECT MAX(route) AS route FROM requests \
+             WHERE {window} AND idempotency_key IS NOT NULL \
+             AND state IN ('api_completed', 'side_effect_pending', 'done') \
+             GROUP BY key_name, idempotency_key HAVING COUNT(*) > 1) GROUP BY route"
+        )))
+        .bind(&lo)
+        .bind(&hi)
+        .bind(route)
+        .fetch_all(&self.readers)
+        .await?;
+        for r in &dups {
+            let (route, count): (String, u64) = (r.try_get(0)?, n(r, 1)?);
+            if let Some(i) = idx(&rows, &route) {
+                rows[i].duplicates = count;
+            }
+            overall.duplicates += count;
+        }
+
+        // P50 and P95 by nearest rank, one sort per figure: each route's ranks, then the
+        // whole window's.
+        for (expr, is_wait) in [("finished_at - received_at", false), ("queued_ms", true)] {
+            for partition in ["route", "'overall'"] {
+                let q = format!(
+                    "SELECT g, v, rn, n FROM (SELECT g, v, ROW_NUMBER() OVER (PARTITION BY g ORDER BY v) AS rn, \
+                     COUNT(*) OVER (PARTITION BY g) AS n FROM (SELECT {partition} AS g, {expr} AS v FROM requests \
+                     WHERE {window} AND finished_at IS NOT NULL AND {expr} IS NOT NULL)) \
+                     WHERE rn = MAX(1, (n * 50 + 99) / 100) OR rn = MAX(1, (n * 95 + 99) / 100)"
+                );
+                let got = sqlx::query(AssertSqlSafe(q))
+                    .bind(&lo)
+                    .bind(&hi)
+                    .bind(route)
+                    .fetch_all(&self.readers)
+                    .await?;
+                for r in &got {
+                    let (g, v, rn, count): (String, i64, u64, u64) = (r.try_get(0)?, r.try_get(1)?, n(r, 2)?, n(r, 3)?);
+                    let row = if g == "overall" && partition != "route" {
+                        &mut overall
+                    } else if let Some(i) = idx(&rows, &g) {
+                        &mut rows[i]
+                    } else {
+                        continue;
+                    };
+                    let v = Some(v as f64);
+                    if rn == crate::rank(0.5, count) {
+                        if is_wait {
+                            row.wait_p50_ms = v;
+                        } else {
+                            row.p50_ms = v;
+                        }
+                    }
+                    if rn == crate::rank(0.95, count) {
+                        if is_wait {
+                            row.wait_p95_ms = v;
+                        } else {
+                            row.p95_ms = v;
+                        }
+                    }
+                }
+            }
+        }
+        rows.push(overall);
+        Ok(rows)
+    }
+
+    async fn daily(&self, from: UnixMs, to: UnixMs) -> Result<Vec<DayFigures>> {
+        let rows = sqlx::query(
+            "SELECT route, received_at / 86400000 * 86400000 AS day, COUNT(*), COALESCE(SUM(attempts > 0), 0), \
+             COALESCE(SUM(attempts), 0), COALESCE(SUM(cost_usd), 0.0), COALESCE(SUM(cost_usd IS NOT NULL AND attempts > 0), 0), \
+             COALESCE(SUM(state = 'failed' AND http_status = 429), 0), \
+             COALESCE(SUM(state = 'done' AND attempts > 0 AND upstream_request_id IS NULL AND endpoint NOT LIKE '%count_tokens%' \
+                 AND endpoint NOT LIKE '%countTokens%'), 0) \
+             FROM requests WHERE id >= ? AND id < ? AND route IS NOT NULL GROUP BY 1, 2 ORDER BY 2, 1",
+        )
+        .bind(uuid_floor(from))
+        .bind(uuid_floor(to))
+        .fetch_all(&self.readers)
+        .await?;
+        let n = |r: &SqliteRow, i: usize| -> Result<u64> { Ok(r.try_get::<i64, _>(i)?.max(0) as u64) };
+        rows.iter()
+            .map(|r| {
+                Ok(DayFigures {
+                    route: r.try_get(0)?,
+                    day: UnixMs(r.try_get(1)?),
+                    requests: n(r, 2)?,
+                    attempted: n(r, 3)?,
+                    attempts: n(r, 4)?,
+                    cost_usd: r.try_get(5)?,
+                    priced: n(r, 6)?,
+                    rate_limited: n(r, 7)?,
+                    untied: n(r, 8)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn last_good_versions(&self, route: &str, from: UnixMs, to: UnixMs) -> Result<Vec<(String, String)>> {
+        // SQLite gives the bare columns of the row holding MAX(id): each workflow's newest.
+        let rows = sqlx::query(
+            "SELECT workflow, policy_version, MAX(id) FROM requests WHERE id >= ? AND id < ? AND route = ? \
+             AND state = 'done' AND workflow IS NOT NULL AND policy_version IS NOT NULL GROUP BY workflow ORDER BY workflow",
+        )
+        .bind(uuid_floor(from))
+        .bind(uuid_floor(to))
+        .bind(route)
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
+    }
+
+    async fn route_requests(
+        &self,
+        route: &str,
+        from: UnixMs,
+        to: UnixMs,
+        limit: u32,
+    ) -> Result<Vec<(RequestRecord, Vec<AttemptRecord>)>> {
+        let (lo, hi) = (uuid_floor(from), uuid_floor(to));
+        let reqs = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {REQUEST_READ_COLUMNS} FROM requests WHERE id >= ? AND id < ? AND route = ? ORDER BY id LIMIT ?"
+        )))
+        .bind(&lo)
+        .bind(&hi)
+        .bind(route)
+        .bind(i64::from(limit))
+        .fetch_all(&self.readers)
+        .await?;
+        let mut out: Vec<(RequestRecord, Vec<AttemptRecord>)> = Vec::with_capacity(reqs.len());
+        for r in &reqs {
+            out.push((request_from_row(r)?, Vec::new()));
+        }
+        let Some(last) = out.last().map(|(r, _)| r.id.clone()) else {
+            return Ok(out);
+        };
+        // The attempts of the same rows, in one pass over the same key range.
+        let atts = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE request_id >= ? AND request_id <= ? \
+             AND request_id IN (SELECT id FROM requests WHERE id >= ? AND id <= ? AND route = ?) \
+             ORDER BY request_id, attempt_no"
+        )))
+        .bind(&lo)
+        .bind(&last)
+        .bind(&lo)
+        .bind(&last)
+        .bind(route)
+        .fetch_all(&self.readers)
+        .await?;
+        let mut i = 0;
+        for a in &atts {
+            let a = attempt_from_row(a)?;
+            while i < out.len() && out[i].0.id < a.request_id {
+                i += 1;
+            }
+            if i < out.len() && out[i].0.id == a.request_id {
+                out[i].1.push(a);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn overruns(&self, route: Option<&str>, from: UnixMs, to: UnixMs) -> Result<Vec<JobRecord>> {
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {list} FROM jobs WHERE expires_at >= ?1 AND expires_at < ?2 AND (?3 IS NULL OR route = ?3) \
+             AND ((state = 'dead_letter' AND updated_at >= expires_at) OR (state = 'succeeded' AND updated_at > expires_at)) \
+             ORDER BY expires_at LIMIT 1000",
+            list = *JOB_LIST_COLUMNS
+        )))
+        .bind(from.0)
+        .bind(to.0)
+        .bind(route)
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter().map(|r| job_from_row(r, false)).collect()
     }
 
     async fn save_policy_version(&self, v: &PolicyVersion) -> Result<bool> {

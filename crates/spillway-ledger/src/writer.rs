@@ -1501,6 +1501,12 @@ mod tests {
         async fn policy_versions(&self, w: Option<&str>) -> Result<Vec<crate::PolicyVersion>> {
             self.inner.policy_versions(w).await
         }
+        async fn save_recovery(&self, run: &crate::RecoveryRow, audit: &[crate::AuditEntry]) -> Result<()> {
+            self.inner.save_recovery(run, audit).await
+        }
+        async fn recoveries(&self, limit: u32) -> Result<Vec<crate::RecoveryRow>> {
+            self.inner.recoveries(limit).await
+        }
     }
 
     async fn faulty(dir: &Path, slow: Option<Duration>, depth: usize) -> (Ledger, Arc<Faulty>) {

@@ -78,6 +78,8 @@ struct RawConfig {
     owners: Vec<S<RawOwner>>,
     #[serde(default)]
     control: Option<S<RawControl>>,
+    #[serde(default)]
+    recovery: Option<S<RawRecovery>>,
     /// A bearer token `/metrics` asks for; without one it is open (on loopback).
     #[serde(default)]
     metrics_token: Option<S<String>>,
@@ -134,6 +136,19 @@ struct RawControl {
     breaker_cool_down_ms: Option<S<u64>>,
     #[serde(default)]
     ejection_cool_down_ms: Option<S<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRecovery {
+    #[serde(default)]
+    stage_ms: Option<S<u64>>,
+    #[serde(default)]
+    drill_stage_ms: Option<S<u64>>,
+    #[serde(default)]
+    drill_incident_ms: Option<S<u64>>,
+    #[serde(default)]
+    relapse_ms: Option<S<u64>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -275,6 +290,8 @@ pub struct Config {
     pub keys: Vec<Key>,
     pub owners: Vec<Owner>,
     pub control: ControlSettings,
+    /// O1: guided recovery's stage times, and a drill's.
+    pub recovery: RecoverySettings,
     /// The SHA-256 of the bearer token `/metrics` asks for, when set (never the token).
     pub metrics_token: Option<KeySecret>,
     /// G4: operator alerts are also POSTed here as JSON. It may carry a token, so it is
@@ -356,6 +373,31 @@ impl ControlSettings {
     /// The wait SLO of route `format/model`.
     pub fn wait_slo_ms(&self, route: &str) -> Option<u64> {
         self.route_wait_slo_ms.get(route).copied().or(self.wait_slo_ms)
+    }
+}
+
+/// Guided recovery (O1) and drills.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecoverySettings {
+    /// Each resume stage (25, 50, 100 %) of a real run.
+    pub stage_ms: u64,
+    /// The same in a drill: practice should not take 45 minutes.
+    pub drill_stage_ms: u64,
+    /// How long a drill's staged fault lasts before the simulated provider recovers.
+    pub drill_incident_ms: u64,
+    /// A drill's staged relapse: a burst of 503s this long at most; it ends at the
+    /// step-back it causes.
+    pub relapse_ms: u64,
+}
+
+impl Default for RecoverySettings {
+    fn default() -> Self {
+        RecoverySettings {
+            stage_ms: 15 * 60_000,
+            drill_stage_ms: 20_000,
+            drill_incident_ms: 30_000,
+            relapse_ms: 10_000,
+        }
     }
 }
 
@@ -1224,6 +1266,25 @@ impl RawConfig {
             }
         }
 
+        let mut recovery = RecoverySettings::default();
+        if let Some(r) = &self.recovery {
+            let r = &r.value;
+            let d = RecoverySettings::default();
+            recovery.stage_ms = cx.bounded(&r.stage_ms, "recovery.stage_ms", 1000..=86_400_000, d.stage_ms);
+            recovery.drill_stage_ms = cx.bounded(
+                &r.drill_stage_ms,
+                "recovery.drill_stage_ms",
+                500..=3_600_000,
+                d.drill_stage_ms,
+            );
+            recovery.drill_incident_ms = cx.bounded(
+                &r.drill_incident_ms,
+                "recovery.drill_incident_ms",
+                500..=3_600_000,
+                d.drill_incident_ms,
+            );
+            recovery.relapse_ms = cx.bounded(&r.relapse_ms, "recovery.relapse_ms", 500..=600_000, d.relapse_ms);
+        }
         let mut control = ControlSettings::default();
         if let Some(c) = &self.control {
             let c = &c.value;
@@ -1371,6 +1432,7 @@ impl RawConfig {
             budgets,
             workflows,
             control,
+            recovery,
             metrics_token,
             alert_webhook_url,
             listen,

@@ -150,6 +150,9 @@ pub enum Fault {
     },
     /// Close the connection without answering.
     Refuse,
+    /// Do the work (the call's latency passes, as if the answer were made), then close the
+    /// connection before answering: the provider acted and the caller cannot know it.
+    DropAfterCompletion,
     /// Accept and never answer (until `ms` passes, if given, then answer normally).
     Hang {
         #[serde(default)]

@@ -389,6 +389,12 @@ async fn handle(state: Arc<SimState>, req: Request<Incoming>) -> Result<Response
     if behavior.latency_ms > 0 {
         tokio::time::sleep(Duration::from_millis(behavior.latency_ms)).await;
     }
+    if fault == Fault::DropAfterCompletion {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "simulated drop after completion",
+        ));
+    }
     if let Fault::Hang { ms } = fault {
         tokio::time::sleep(ms.map(Duration::from_millis).unwrap_or(HANG_FOREVER)).await;
     }
