@@ -9,7 +9,7 @@ import { dirname, join, resolve } from 'node:path'
 import { fileURLToPath } from 'node:url'
 import { chromium } from 'playwright-core'
 import { createRequire } from 'node:module'
-import { readLine, setSim as setSimAt } from './gateway.mjs'
+import { demoConfigWith, readLine, setSim as setSimAt } from './gateway.mjs'
 
 const axeSource = readFileSync(createRequire(import.meta.url).resolve('axe-core/axe.min.js'), 'utf8')
 
@@ -301,11 +301,12 @@ test('a breaker opens when the provider fails and closes after probation when it
   await p.context().close()
 })
 
-/** A gateway of this test's own on `data`: its URL, demo key, simulator URL and process. */
-async function ownGateway(data) {
+/** A gateway of this test's own on `data`: its URL, demo key, simulator URL and process.
+ * `args` go to `spillway serve` after the usual ones (`--config FILE`). */
+async function ownGateway(data, args = []) {
   const env = { ...process.env, SPILLWAY_DATA_DIR: data, SPILLWAY_LOG: 'warn' }
   for (const k of ['OPENAI_API_KEY', 'ANTHROPIC_API_KEY', 'GEMINI_API_KEY']) delete env[k]
-  const proc = spawn(BIN, ['serve', '--listen', '127.0.0.1:0', '--ui-dir', join(root, 'ui', 'dist')], { env })
+  const proc = spawn(BIN, ['serve', '--listen', '127.0.0.1:0', '--ui-dir', join(root, 'ui', 'dist'), ...args], { env })
   proc.stderr.on('data', () => {})
   const listening = readLine(proc, 'spillway listening on ')
   const key = readLine(proc, 'demo key (shown once): ')
@@ -575,6 +576,161 @@ test('an operator approves an owner-review job and replays a dead letter through
     assert.match(audit[0].reason, /provider_recovered: the provider recovered/)
     await p.context().close()
   } finally {
+    g.proc.kill('SIGTERM')
+  }
+})
+
+/** The text of the file the console saves when `testid` is clicked. */
+async function downloaded(p, testid) {
+  const [file] = await Promise.all([p.waitForEvent('download', { timeout: 15_000 }), p.getByTestId(testid).click()])
+  return readFileSync(await file.path(), 'utf8')
+}
+
+test('an operator runs a drill from the breaker to a closed recovery with an exported report', async () => {
+  // spec: O1, O2, O4, O5, N2, N3
+  // A gateway of its own, without demo traffic (the drill's figures are this test's
+  // requests only) and with drill timings short enough to wait through.
+  const data = mkdtempSync(join(tmpdir(), 'spillway-e2e-recovery-'))
+  const timing = { stage_ms: 900_000, drill_stage_ms: 3_000, drill_incident_ms: 15_000, relapse_ms: 3_000 }
+  const config = demoConfigWith(root, data, `recovery:\n${Object.entries(timing).map(([k, v]) => `  ${k}: ${v}`).join('\n')}`)
+  const g = await ownGateway(data, ['--config', config])
+  after(() => g.proc.kill('SIGKILL'))
+  const token = readFileSync(join(data, 'admin-token'), 'utf8').trim()
+  const admin = async (path) => (await fetch(`${g.url}${path}`, { headers: { Authorization: `Bearer ${token}` } })).json()
+  const route = 'openai/gpt-4o-mini'
+  // A marker no evidence bundle may carry: prompts stay out of it.
+  const prompt = `e2e drill prompt ${Date.now()}`
+  const ask = () => fetch(`${g.url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { Authorization: `Bearer ${g.key}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ model: 'gpt-4o-mini', messages: [{ role: 'user', content: prompt }] }),
+  })
+  let p
+  const status = async (step) => p.getByTestId(`recovery-step-${step}`).getAttribute('data-status', { timeout: 2_000 }).catch(() => null)
+  try {
+    // A success before the incident: the route's last known good.
+    assert.equal((await ask()).status, 200)
+
+    p = await page()
+    await p.goto(`${g.url}/recovery#token=${token}`)
+    await p.getByTestId('recovery-start-form').waitFor()
+    await until('the route among those a drill may run on', async () => (await p.getByTestId('recovery-drill-routes').textContent()).includes(route))
+    await p.getByTestId('recovery-start-drill').selectOption('server_errors')
+    await p.getByTestId('recovery-start-route').selectOption(route)
+    await p.getByTestId('recovery-start-reason').fill('quarterly recovery drill')
+    await p.getByTestId('recovery-start-actor').fill('e2e operator')
+    await p.getByTestId('recovery-start').click()
+    const drillStarted = Date.now()
+    await until('the run page', async () => /^\/recovery\/[^/]+$/.test(new URL(p.url()).pathname))
+    const id = decodeURIComponent(new URL(p.url()).pathname.split('/')[2])
+    const detail = p.getByTestId('recovery-detail')
+    await detail.waitFor()
+    assert.equal(await detail.getAttribute('data-drill'), 'true')
+    assert.match(await p.getByTestId('recovery-drill').textContent(), /^DRILL/)
+    assert.equal(await status('isolate'), 'current')
+
+    // The staged 5xx fail every call until the route's breaker opens.
+    await until('the breaker to open under the staged 5xx', async () => {
+      await ask()
+      const ov = await admin('/admin/v1/overview')
+      return ov.control?.find((c) => c.route === route)?.breaker.state === 'open'
+    }, 30_000)
+
+    // Isolate: retries off, the route paused.
+    await p.getByTestId('recovery-isolate-actor').fill('e2e operator')
+    await p.getByTestId('recovery-isolate').click()
+    await until('the route isolated', async () => (await status('isolate')) === 'done')
+    assert.match(await p.getByTestId('recovery-step-isolate').textContent(), /by e2e operator at /)
+    assert.match(await p.getByTestId('recovery-gate').textContent(), /paused.*retries are off/i)
+    assert.equal((await ask()).status, 503, 'the isolated route refuses interactive requests')
+
+    // Preserve: the evidence bundle, downloaded with the admin token, carries none.
+    await p.getByTestId('recovery-preserve-actor').fill('e2e operator')
+    await p.getByTestId('recovery-preserve').click()
+    await p.getByTestId('recovery-evidence-download').waitFor()
+    const evidence = await downloaded(p, 'recovery-evidence-download')
+    JSON.parse(evidence)
+    assert.ok(!evidence.includes(token), 'no admin token in the evidence')
+    assert.ok(!evidence.includes(g.key), 'no key secret in the evidence')
+    assert.ok(!evidence.includes(prompt), 'no prompt in the evidence')
+
+    // Roll back: nothing changed, said with a reason.
+    await p.getByTestId('recovery-rollback-form').waitFor()
+    assert.match(await p.getByTestId('recovery-rollback-nothing').textContent(), /Nothing to roll back/)
+    await p.getByTestId('recovery-rollback-reason').fill('no workflow policy changed: the provider failed')
+    await p.getByTestId('recovery-rollback-actor').fill('e2e operator')
+    await p.getByTestId('recovery-rollback-none').click()
+    await until('the roll back on record', async () => (await status('roll_back')) === 'done')
+
+    // Confirm: the staged incident ends by itself; probe rounds until one passes.
+    await p.getByTestId('recovery-probes-form').waitFor()
+    await p.waitForTimeout(Math.max(0, drillStarted + timing.drill_incident_ms - Date.now()))
+    await p.getByTestId('recovery-probes-actor').fill('e2e operator')
+    await until('a passing probe round', async () => {
+      if ((await status('confirm')) === 'done') return true
+      const probes = p.getByTestId('recovery-probes')
+      if ((await probes.count()) === 0 || (await probes.isDisabled())) return false
+      const result = () => p.getByTestId('recovery-result').textContent({ timeout: 1_000 }).catch(() => '')
+      const before = await result()
+      await probes.click()
+      await until('the probe round to end', async () => {
+        const said = await result()
+        return (said !== before && /Probe round/.test(said)) || (await p.getByTestId('recovery-probes-error').count()) > 0
+      }, 30_000)
+      return (await status('confirm')) === 'done'
+    }, 90_000)
+    assert.ok((await p.getByTestId('recovery-probes-table').locator('tbody tr').count()) === 5, 'the passing round lists its 5 probes')
+
+    // Resume: 25, 50 and 100 %, a few seconds each in a drill, then the drain.
+    await until('the stages to run their time', async () => (await status('resume')) === 'done', 60_000)
+    await until('the drain to end', async () => (await status('drain')) === 'done', 30_000)
+    const scores = await p.getByTestId('recovery-stage-scores').textContent()
+    for (const pct of ['25 %', '50 %', '100 %']) assert.ok(scores.includes(pct), `a scorecard for the ${pct} stage`)
+
+    // Close (O4): not before the customer contact is ticked.
+    const close = p.getByTestId('recovery-close')
+    await close.waitFor()
+    await p.getByTestId('recovery-close-actor').fill('e2e operator')
+    assert.equal(await close.isDisabled(), true, 'no close before the customer contact is ticked')
+    assert.match(await p.getByTestId('recovery-close-missing').textContent(), /customer was contacted/)
+    await p.getByTestId('recovery-close-contacted').check()
+    await p.getByTestId('recovery-close-impact').fill('none: a drill on simulated channels')
+    await p.getByTestId('recovery-close-workarounds').fill('none needed')
+    assert.equal(await close.isDisabled(), false)
+    await accessible(p, 'the recovery view')
+    await p.screenshot({ path: join(SHOTS, 'recovery-browser.png'), fullPage: true })
+    await close.click()
+    await p.getByTestId('recovery-closed').waitFor()
+    assert.equal(await p.getByTestId('recovery-detail').getAttribute('data-step'), 'closed')
+    assert.match(await p.getByTestId('recovery-events').textContent(), /e2e operator/)
+
+    // The report, fetched with the admin token: marked as a drill, and never carrying it.
+    const md = await downloaded(p, 'recovery-report-md')
+    assert.match(md, /DRILL/)
+    assert.ok(!md.includes(token), 'the report never carries the admin token')
+    assert.ok(!md.includes(g.key), 'nor a key secret')
+    const record = await downloaded(p, 'recovery-report-json')
+    JSON.parse(record)
+    assert.ok(!record.includes(token), 'the record never carries the admin token')
+    const audit = await admin('/admin/v1/audit?limit=200')
+    assert.ok(audit.some((e) => e.actor === 'e2e operator' && e.reason.includes('[drill]')), 'the drill is marked on the audit log')
+
+    // Its scorecard, a link away: a drill, three periods.
+    await p.getByTestId('recovery-scorecard-link').click()
+    await p.getByTestId('scorecard').waitFor({ timeout: 30_000 })
+    assert.equal(new URL(p.url()).searchParams.get('run'), id)
+    assert.equal(await p.getByTestId('scorecard-drill').textContent(), 'DRILL')
+    assert.equal(await p.getByTestId('scorecard-periods').locator('li').count(), 3)
+    await accessible(p, 'the scorecard')
+    await p.screenshot({ path: join(SHOTS, 'scorecard-browser.png'), fullPage: true })
+    // And back to the runs with the keyboard: the run is closed, and a drill.
+    await p.keyboard.press('r')
+    const row = p.getByTestId(`recovery-run-${id}`)
+    await row.waitFor()
+    assert.equal(await row.getAttribute('data-step'), 'closed')
+    assert.equal(await row.getByTestId('recovery-run-drill').textContent(), 'DRILL')
+  } finally {
+    await p?.context().close()
     g.proc.kill('SIGTERM')
   }
 })

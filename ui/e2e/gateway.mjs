@@ -1,6 +1,8 @@
 // What the Node end-to-end suites share: reading the gateway's announcements and
 // steering the simulator it embeds.
 import assert from 'node:assert/strict'
+import { cpSync, readFileSync, writeFileSync } from 'node:fs'
+import { join } from 'node:path'
 
 /** The rest of the first stdout line of `proc` that starts with `prefix`. */
 export function readLine(proc, prefix, timeoutMs = 20_000) {
@@ -29,4 +31,15 @@ export async function setSim(simUrl, channel, behavior) {
     method: 'PUT', headers: { 'content-type': 'application/json' }, body: JSON.stringify(behavior),
   })
   assert.equal(r.status, 200)
+}
+
+/** A config file in `dir` for `spillway serve --config`: the embedded default
+ * (policies/demo.yaml) with `extraYaml` appended (top-level sections the default does not
+ * have, such as `recovery:`). Its workflow policies are copied beside it, where the
+ * default's `workflows: workflows` looks for them, so a test never writes to the source tree. */
+export function demoConfigWith(root, dir, extraYaml) {
+  cpSync(join(root, 'policies', 'workflows'), join(dir, 'workflows'), { recursive: true })
+  const path = join(dir, 'spillway.yaml')
+  writeFileSync(path, `${readFileSync(join(root, 'policies', 'demo.yaml'), 'utf8')}\n${extraYaml}\n`)
+  return path
 }

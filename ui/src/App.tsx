@@ -9,7 +9,9 @@ import { KeysView } from './Keys'
 import { LedgerView } from './Ledger'
 import { OverviewView } from './Overview'
 import { PoliciesView } from './Policies'
+import { RecoveriesView } from './Recovery'
 import { ReviewsView } from './Reviews'
+import { ScorecardView } from './Scorecard'
 import { UnknownsView } from './Unknowns'
 import { linkProps, navigate, useRoute } from './router'
 
@@ -48,6 +50,9 @@ export function App() {
       if (e.key === '8') navigate({ view: 'deadletters', id: null })
       if (e.key === '9') navigate({ view: 'policies', workflow: null })
       if (e.key === '0') navigate({ view: 'audit' })
+      // Letters past the ten digits: r and s are used by no view (the ledger's are /, j and k).
+      if (e.key === 'r') navigate({ view: 'recovery', id: null })
+      if (e.key === 's') navigate({ view: 'scorecard', run: null, route: null })
     }
     window.addEventListener('keydown', onKey)
     return () => window.removeEventListener('keydown', onKey)
@@ -81,6 +86,8 @@ export function App() {
           <a {...linkProps({ view: 'deadletters', id: null })} aria-current={route.view === 'deadletters' ? 'page' : undefined} title="Dead letters: background jobs that gave up, and their reviewed replays (8)">Dead letters</a>
           <a {...linkProps({ view: 'policies', workflow: null })} aria-current={route.view === 'policies' ? 'page' : undefined} title="Workflow policies and their versions (9)">Policies</a>
           <a {...linkProps({ view: 'audit' })} aria-current={route.view === 'audit' ? 'page' : undefined} title="Audit log: every change, with who and why (0)">Audit</a>
+          <a {...linkProps({ view: 'recovery', id: null })} aria-current={route.view === 'recovery' ? 'page' : undefined} title="Guided recovery: a route's checklist from isolation to close, and drills (r)">Recovery</a>
+          <a {...linkProps({ view: 'scorecard', run: null, route: null })} aria-current={route.view === 'scorecard' ? 'page' : undefined} title="Scorecard: before, during and after an incident (s)">Scorecard</a>
         </nav>
         <span className="muted gateway">{conn.url}</span>
         <button className="link" onClick={() => { sessionStorage.removeItem(KEY); setConn(null) }}>Disconnect</button>
@@ -96,6 +103,8 @@ export function App() {
         {route.view === 'deadletters' && <DeadLettersView conn={conn} selected={route.id} />}
         {route.view === 'policies' && <PoliciesView conn={conn} selected={route.workflow} />}
         {route.view === 'audit' && <AuditView conn={conn} />}
+        {route.view === 'recovery' && <RecoveriesView conn={conn} selected={route.id} />}
+        {route.view === 'scorecard' && <ScorecardView conn={conn} run={route.run} route={route.route} />}
       </main>
     </>
   )

@@ -1,5 +1,5 @@
 import { afterEach, describe, expect, it, vi } from 'vitest'
-import { ApiError, searchRequests, streamEvents, type LiveEvent } from './api'
+import { ApiError, attachmentName, closeRecovery, searchRequests, streamEvents, type LiveEvent } from './api'
 
 const conn = { url: 'http://127.0.0.1:9', token: 'swa_test' }
 
@@ -51,5 +51,24 @@ describe('ledger search', () => {
     const err = await searchRequests(conn, { q: null, route: null, state: null, api: null, from_ms: null, to_ms: null, before: null, limit: null }).catch((e) => e)
     expect(err).toBeInstanceOf(ApiError)
     expect(err.message).toMatch(/Cannot reach the gateway/)
+  })
+})
+
+describe('recovery files and refusals', () => {
+  it('saves a download under the name the gateway gives, never a path', () => {
+    expect(attachmentName('attachment; filename="rc_1-incident.md"')).toBe('rc_1-incident.md')
+    expect(attachmentName("attachment; filename*=UTF-8''r%C3%A9sum%C3%A9.md; filename=\"resume.md\"")).toBe('résumé.md')
+    expect(attachmentName('attachment; filename="../../etc/passwd"')).toBe('passwd')
+    expect(attachmentName('attachment')).toBeNull()
+    expect(attachmentName(null)).toBeNull()
+  })
+
+  it('keeps the unmet conditions a refused close names', async () => {
+    vi.stubGlobal('fetch', vi.fn(async () => new Response(JSON.stringify({ error: 'the run cannot close yet', missing: ['backlog is 2 (must be 0)', 3] }), { status: 409 })))
+    const err = await closeRecovery(conn, 'rc_1', { actor: 'ana', customer_contacted: true, customer_impact: '', workarounds: '' }).catch((e) => e)
+    expect(err).toBeInstanceOf(ApiError)
+    expect(err.status).toBe(409)
+    expect(err.missing).toEqual(['backlog is 2 (must be 0)'])
+    expect(err.missingFields).toEqual([])
   })
 })

@@ -35,6 +35,12 @@ import type { IdempotencyResult } from './bindings/IdempotencyResult'
 import type { BulkPreview } from './bindings/BulkPreview'
 import type { BulkRefused } from './bindings/BulkRefused'
 import type { PoliciesView } from './bindings/PoliciesView'
+import type { ApprovalRole } from './bindings/ApprovalRole'
+import type { DrillScenario } from './bindings/DrillScenario'
+import type { Overrun } from './bindings/Overrun'
+import type { RecoveryList } from './bindings/RecoveryList'
+import type { RecoveryView } from './bindings/RecoveryView'
+import type { Scorecard } from './bindings/Scorecard'
 
 export type Connection = { url: string; token: string }
 
@@ -42,10 +48,13 @@ export class ApiError extends Error {
   status: number
   /** The fields a refused form is missing, when the gateway names them (a 422 FormError). */
   missingFields: string[]
-  constructor(status: number, message: string, missingFields: string[] = []) {
+  /** The unmet conditions a refused action names (a recovery's close, O4: `missing`). */
+  missing: string[]
+  constructor(status: number, message: string, missingFields: string[] = [], missing: string[] = []) {
     super(message)
     this.status = status
     this.missingFields = missingFields
+    this.missing = missing
   }
 }
 
@@ -62,14 +71,16 @@ async function call<T>(conn: Connection, path: string, init?: RequestInit): Prom
   if (!resp.ok) {
     let msg = `HTTP ${resp.status}`
     let missing: string[] = []
+    let unmet: string[] = []
     try {
       const body = await resp.json()
       if (body && typeof body.error === 'string') msg = body.error
       if (body && Array.isArray(body.missing_fields)) missing = body.missing_fields.filter((f: unknown): f is string => typeof f === 'string')
+      if (body && Array.isArray(body.missing)) unmet = body.missing.filter((f: unknown): f is string => typeof f === 'string')
     } catch {
       /* not JSON */
     }
-    throw new ApiError(resp.status, msg, missing)
+    throw new ApiError(resp.status, msg, missing, unmet)
   }
   return (await resp.json()) as T
 }
@@ -260,6 +271,113 @@ export type RollbackForm = { version: string; actor: string; reason: string }
 /** J8: puts a recorded version back (written to the workflow's file and applied). */
 export const rollbackPolicy = (c: Connection, workflow: string, f: RollbackForm) =>
   call<{ workflow: string; version: string }>(c, `/admin/v1/policies/${encodeURIComponent(workflow)}/rollback`, post(f))
+
+/** O1: the recovery runs (open ones and ended ones), the routes a run is suggested for, the
+ * routes a drill may run on, the scenarios and the probe keys. */
+export const getRecoveries = (c: Connection) => call<RecoveryList>(c, '/admin/v1/recoveries')
+
+/** O1, N3: `drill` set makes it a drill (refused on a route with a real provider). */
+export type StartRecoveryForm = { route: string; actor: string; reason: string; drill?: DrillScenario }
+
+export const startRecovery = (c: Connection, f: StartRecoveryForm) => call<RecoveryView>(c, '/admin/v1/recoveries', post(f))
+
+export const getRecovery = (c: Connection, id: string) => call<RecoveryView>(c, `/admin/v1/recoveries/${encodeURIComponent(id)}`)
+
+const recovery = (id: string, action: string) => `/admin/v1/recoveries/${encodeURIComponent(id)}/${action}`
+
+/** O1 isolate: retries off, the route paused, the ledger split since the incident began. */
+export const isolateRecovery = (c: Connection, id: string, f: { actor: string }) =>
+  call<RecoveryView>(c, recovery(id, 'isolate'), post(f))
+
+/** O1 preserve: builds the evidence bundle (no secret, no prompt). */
+export const preserveRecovery = (c: Connection, id: string, f: { actor: string }) =>
+  call<RecoveryView>(c, recovery(id, 'preserve'), post(f))
+
+/** O1 roll back: one workflow to its last known good version; without `workflow`, the
+ * reason why there is nothing to roll back. */
+export type RecoveryRollbackForm = { actor: string; reason: string; workflow?: string; version?: string }
+
+export const rollbackRecovery = (c: Connection, id: string, f: RecoveryRollbackForm) =>
+  call<RecoveryView>(c, recovery(id, 'rollback'), post(f))
+
+/** O1 confirm: a round of 5 probes, one at a time, as the named key. */
+export const runRecoveryProbes = (c: Connection, id: string, f: { actor: string; key: string }) =>
+  call<RecoveryView>(c, recovery(id, 'probes'), post(f))
+
+/** O3: one of the two approvals a held run needs. */
+export const approveRecovery = (c: Connection, id: string, f: { actor: string; role: ApprovalRole; reason: string }) =>
+  call<RecoveryView>(c, recovery(id, 'approve'), post(f))
+
+/** O4: why a job's deadline was missed. */
+export const explainOverrun = (c: Connection, id: string, f: { actor: string; overrun: Overrun['id']; explanation: string }) =>
+  call<RecoveryView>(c, recovery(id, 'explain'), post(f))
+
+export type CloseRecoveryForm = { actor: string; customer_contacted: boolean; customer_impact: string; workarounds: string }
+
+/** O4: closes the run; refused (409, `ApiError.missing`) while a condition is unmet. */
+export const closeRecovery = (c: Connection, id: string, f: CloseRecoveryForm) =>
+  call<RecoveryView>(c, recovery(id, 'close'), post(f))
+
+/** Stops a run before its end: the gate is lifted, the record kept. */
+export const cancelRecovery = (c: Connection, id: string, f: { actor: string; reason: string }) =>
+  call<RecoveryView>(c, recovery(id, 'cancel'), post(f))
+
+/** N3, drills only: a 5xx burst on the drill's simulated channels, to practise a step-back. */
+export const relapseRecovery = (c: Connection, id: string, f: { actor: string }) =>
+  call<RecoveryView>(c, recovery(id, 'relapse'), post(f))
+
+/** The run's files: the evidence bundle, the report in Markdown and as JSON. */
+export const RECOVERY_FILES = { evidence: 'evidence', markdown: 'report.md', json: 'report.json' } as const
+export type RecoveryFile = keyof typeof RECOVERY_FILES
+
+/** A file the gateway serves as an attachment. A plain link cannot carry the admin token,
+ * so the console fetches it and hands the browser the bytes. */
+export type Download = { blob: Blob; filename: string }
+
+export async function getRecoveryFile(c: Connection, id: string, file: RecoveryFile): Promise<Download> {
+  let resp: Response
+  try {
+    resp = await fetch(c.url.replace(/\/$/, '') + recovery(id, RECOVERY_FILES[file]), { headers: { Authorization: `Bearer ${c.token}` } })
+  } catch {
+    throw new ApiError(0, `Cannot reach the gateway at ${c.url}. Is spillway running?`)
+  }
+  if (!resp.ok) {
+    let msg = `HTTP ${resp.status}`
+    try {
+      const body = await resp.json()
+      if (body && typeof body.error === 'string') msg = body.error
+    } catch {
+      /* not JSON */
+    }
+    throw new ApiError(resp.status, msg)
+  }
+  const fallback = `recovery-${id}-${file === 'evidence' ? 'evidence.json' : RECOVERY_FILES[file]}`
+  return { blob: await resp.blob(), filename: attachmentName(resp.headers.get('Content-Disposition')) ?? fallback }
+}
+
+/** The file name a `Content-Disposition: attachment` header gives, if any. */
+export function attachmentName(header: string | null): string | null {
+  if (!header) return null
+  const star = /filename\*\s*=\s*(?:UTF-8|utf-8)''([^;]+)/.exec(header)
+  if (star) {
+    try {
+      return decodeURIComponent(star[1].trim())
+    } catch {
+      /* fall through to the plain name */
+    }
+  }
+  const plain = /filename\s*=\s*"([^"]*)"|filename\s*=\s*([^;]+)/.exec(header)
+  const name = plain ? (plain[1] ?? plain[2] ?? '').trim() : ''
+  // Only a base name: a path in the header must not pick where the file lands.
+  const base = name.split(/[\\/]/).pop() ?? ''
+  return base === '' ? null : base
+}
+
+/** N2: the scorecard of a run, or of a route. */
+export function getScorecard(c: Connection, of: { run: string } | { route: string }): Promise<Scorecard> {
+  const p = new URLSearchParams('run' in of ? { run: of.run } : { route: of.route })
+  return call<Scorecard>(c, `/admin/v1/scorecard?${p}`)
+}
 
 export type LiveEvent =
   | { kind: 'overview'; data: Overview }

@@ -125,6 +125,7 @@ const GATEWAY_CLASS: Record<GatewayClass, string> = {
   spend_limit: 'key spend limit reached',
   daily_budget: 'owner daily budget spent',
   lane_full: 'job lane full',
+  recovery_hold: 'held by a recovery run',
 }
 
 export function failureClass(c: FailureClass | null): string {
@@ -153,6 +154,7 @@ const STOP: Record<StopReason, string> = {
   breaker_open: "the route's breaker opened",
   provider_may_have_acted: 'the provider may already have acted (a hosted tool or background run)',
   lane_full: 'the stream-recovery lane was full',
+  recovery_hold: 'a recovery run holds the route: retries off',
 }
 
 /** What happened after an attempt, in words (F2 decisions). */

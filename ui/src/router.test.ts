@@ -1,5 +1,5 @@
-import { describe, expect, it } from 'vitest'
-import { href, parse } from './router'
+import { afterEach, describe, expect, it } from 'vitest'
+import { href, navigate, parse } from './router'
 
 describe('router', () => {
   it('gives every view a URL that parses back to it', () => {
@@ -21,6 +21,12 @@ describe('router', () => {
       { view: 'policies' as const, workflow: null },
       { view: 'policies' as const, workflow: 'nightly batch/v2?#%' },
       { view: 'audit' as const },
+      { view: 'recovery' as const, id: null },
+      { view: 'recovery' as const, id: 'rc_0195f0a1 7c3e?#%' },
+      { view: 'scorecard' as const, run: null, route: null },
+      { view: 'scorecard' as const, run: 'rc_1', route: null },
+      { view: 'scorecard' as const, run: null, route: 'openai/gpt-4o-mini' },
+      { view: 'scorecard' as const, run: 'rc_1&x=2#y', route: 'gemini/models name?#%' },
     ]) {
       expect(parse(href(r))).toEqual(r)
     }
@@ -47,5 +53,47 @@ describe('router', () => {
     expect(parse('/policies/nightly')).toEqual({ view: 'policies', workflow: 'nightly' })
     expect(href({ view: 'audit' })).toBe('/audit')
     expect(parse('/audit/')).toEqual({ view: 'audit' })
+  })
+})
+
+describe('recovery and scorecard URLs', () => {
+  afterEach(() => history.pushState(null, '', '/'))
+
+  it('gives the recovery runs and one run their own URLs', () => {
+    expect(href({ view: 'recovery', id: null })).toBe('/recovery')
+    expect(href({ view: 'recovery', id: 'rc_1' })).toBe('/recovery/rc_1')
+    expect(parse('/recovery')).toEqual({ view: 'recovery', id: null })
+    expect(parse('/recovery/')).toEqual({ view: 'recovery', id: null })
+    expect(parse('/recovery/rc_1')).toEqual({ view: 'recovery', id: 'rc_1' })
+  })
+
+  it('carries the scorecard\'s run or route in the query', () => {
+    expect(href({ view: 'scorecard', run: null, route: null })).toBe('/scorecard')
+    expect(href({ view: 'scorecard', run: 'rc_1', route: null })).toBe('/scorecard?run=rc_1')
+    expect(href({ view: 'scorecard', run: null, route: 'openai/gpt-4o-mini' })).toBe('/scorecard?route=openai%2Fgpt-4o-mini')
+    expect(parse('/scorecard?run=rc_1')).toEqual({ view: 'scorecard', run: 'rc_1', route: null })
+    expect(parse('/scorecard/?route=openai%2Fgpt-4o-mini')).toEqual({ view: 'scorecard', run: null, route: 'openai/gpt-4o-mini' })
+    expect(parse('/scorecard?run=')).toEqual({ view: 'scorecard', run: null, route: null })
+    // Another view's path never reads the query.
+    expect(parse('/recovery/rc_1?run=rc_2')).toEqual({ view: 'recovery', id: 'rc_1' })
+    expect(parse('/breakers/openai/gpt-4o-mini?x=1')).toEqual({ view: 'breakers', route: 'openai/gpt-4o-mini' })
+  })
+
+  it('takes the scorecard\'s query along to it and not on to the next view', () => {
+    history.pushState(null, '', '/recovery/rc_1')
+    navigate({ view: 'scorecard', run: 'rc_1', route: null })
+    expect(window.location.pathname + window.location.search).toBe('/scorecard?run=rc_1')
+    navigate({ view: 'scorecard', run: null, route: 'openai/gpt-4o-mini' })
+    expect(window.location.search).toBe('?route=openai%2Fgpt-4o-mini')
+    navigate({ view: 'recovery', id: null })
+    expect(window.location.pathname + window.location.search).toBe('/recovery')
+  })
+
+  it('keeps any other query parameter across moves, as before', () => {
+    history.pushState(null, '', '/audit?debug=1')
+    navigate({ view: 'scorecard', run: 'rc_1', route: null })
+    expect(window.location.search).toBe('?run=rc_1&debug=1')
+    navigate({ view: 'keys' })
+    expect(window.location.pathname + window.location.search).toBe('/keys?debug=1')
   })
 })

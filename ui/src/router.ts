@@ -13,9 +13,14 @@ export type Route =
   | { view: 'deadletters'; id: string | null }
   | { view: 'policies'; workflow: string | null }
   | { view: 'audit' }
+  | { view: 'recovery'; id: string | null }
+  | { view: 'scorecard'; run: string | null; route: string | null }
 
+/** `path` may carry a query: the scorecard's run or route is there (`/scorecard?run=ID`). */
 export function parse(path: string): Route {
-  const parts = path.split('/').filter(Boolean).map(decodeURIComponent)
+  const q = path.indexOf('?')
+  const search = new URLSearchParams(q >= 0 ? path.slice(q + 1) : '')
+  const parts = (q >= 0 ? path.slice(0, q) : path).split('/').filter(Boolean).map(decodeURIComponent)
   if (parts[0] === 'breakers') return { view: 'breakers', route: parts.length > 1 ? parts.slice(1).join('/') : null }
   if (parts[0] === 'ledger') return { view: 'ledger', id: parts[1] ?? null }
   if (parts[0] === 'unknowns') return { view: 'unknowns', id: parts[1] ?? null }
@@ -25,6 +30,8 @@ export function parse(path: string): Route {
   if (parts[0] === 'dead-letters') return { view: 'deadletters', id: parts[1] ?? null }
   if (parts[0] === 'policies') return { view: 'policies', workflow: parts[1] ?? null }
   if (parts[0] === 'audit') return { view: 'audit' }
+  if (parts[0] === 'recovery') return { view: 'recovery', id: parts[1] ?? null }
+  if (parts[0] === 'scorecard') return { view: 'scorecard', run: search.get('run') || null, route: search.get('route') || null }
   return { view: 'overview' }
 }
 
@@ -51,14 +58,37 @@ export function href(r: Route): string {
       return r.workflow ? `/policies/${encodeURIComponent(r.workflow)}` : '/policies'
     case 'audit':
       return '/audit'
+    case 'recovery':
+      return r.id ? `/recovery/${encodeURIComponent(r.id)}` : '/recovery'
+    case 'scorecard': {
+      const p = new URLSearchParams()
+      if (r.run) p.set('run', r.run)
+      if (r.route) p.set('route', r.route)
+      const s = p.toString()
+      return s ? `/scorecard?${s}` : '/scorecard'
+    }
   }
+}
+
+/** Query parameters that belong to a view: they go with it, never on to the next one. */
+const VIEW_PARAMS = ['run', 'route']
+
+/** `r`'s URL with the page's other query parameters kept, as moves always kept them. */
+function withKeptQuery(r: Route): string {
+  const [path, own = ''] = href(r).split('?')
+  const q = new URLSearchParams(own)
+  for (const [k, v] of new URLSearchParams(window.location.search)) {
+    if (!VIEW_PARAMS.includes(k) && !q.has(k)) q.append(k, v)
+  }
+  const s = q.toString()
+  return s ? `${path}?${s}` : path
 }
 
 const EVENT = 'spillway:navigate'
 
 /** Goes to `r`; `replace` keeps the back button for real moves only. */
 export function navigate(r: Route, replace = false) {
-  const url = href(r) + window.location.search
+  const url = withKeptQuery(r)
   if (url === window.location.pathname + window.location.search) return
   if (replace) history.replaceState(null, '', url)
   else history.pushState(null, '', url)
@@ -66,9 +96,9 @@ export function navigate(r: Route, replace = false) {
 }
 
 export function useRoute(): Route {
-  const [route, setRoute] = useState<Route>(() => parse(window.location.pathname))
+  const [route, setRoute] = useState<Route>(() => parse(window.location.pathname + window.location.search))
   useEffect(() => {
-    const update = () => setRoute(parse(window.location.pathname))
+    const update = () => setRoute(parse(window.location.pathname + window.location.search))
     window.addEventListener('popstate', update)
     window.addEventListener(EVENT, update)
     return () => {

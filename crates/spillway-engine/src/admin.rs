@@ -763,6 +763,7 @@ pub fn router(st: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/admin/v1/keys/{name}/spend-limit", post(crate::money::set_spend_limit))
         .route("/admin/v1/owners/{owner}/top-up", post(crate::money::top_up))
         .merge(crate::inbox::router())
+        .merge(crate::recovery::router())
         .route_layer(middleware::from_fn_with_state(st, require_token))
 }
 

@@ -56,6 +56,47 @@ struct RouteInner {
     /// When a request last asked for the route: idle closed routes make room for new
     /// ones when the table is full.
     last_used: Instant,
+    /// O1: a recovery run's hold on the route, while it has one.
+    gate: Option<GateRt>,
+    /// O1: the route's held jobs drain in deadline order.
+    draining: bool,
+}
+
+/// What a recovery run lets the route do (see `spillway_control::Gate`), and what the
+/// request path reports back to it.
+struct GateRt {
+    run: Arc<str>,
+    /// Percent of the route's concurrency; 0 pauses the route.
+    share_pct: u8,
+    /// Requests admitted at once at that share.
+    cap: u32,
+    /// Admitted through the gate and not yet ended.
+    in_flight: u32,
+    jobs_held: bool,
+    /// O2: attempt outcomes since the run last looked (wall-clock ms), while resuming.
+    outcomes: Vec<(Outcome, i64)>,
+}
+
+/// Outcomes kept for the run between its looks: O2 needs the last 20.
+const GATE_OUTCOMES: usize = 1000;
+
+/// A request let through a recovery run's gate; its end frees the place.
+pub struct GateSlot(Arc<RouteControl>);
+
+impl Drop for GateSlot {
+    fn drop(&mut self) {
+        self.0.with(|i| {
+            if let Some(g) = &mut i.gate {
+                g.in_flight = g.in_flight.saturating_sub(1);
+            }
+        });
+    }
+}
+
+/// Why a recovery run's gate refused a request.
+pub struct Held {
+    pub run: String,
+    pub reason: String,
 }
 
 /// One route's breaker, retry budget and figures.
@@ -161,6 +202,82 @@ impl RouteControl {
         }
     }
 
+    /// O1: a recovery run's gate, when one holds the route: paused, or a place among
+    /// the share of its concurrency the run allows (`None` when no run holds it).
+    pub fn enter_gate(self: &Arc<Self>) -> Result<Option<GateSlot>, Held> {
+        self.with(|i| {
+            let Some(g) = &mut i.gate else {
+                return Ok(None);
+            };
+            if g.share_pct == 0 {
+                return Err(Held {
+                    run: g.run.to_string(),
+                    reason: "the route is isolated while it recovers".into(),
+                });
+            }
+            if g.in_flight >= g.cap {
+                return Err(Held {
+                    run: g.run.to_string(),
+                    reason: format!(
+                        "resuming at {} % of its concurrency: {} of {} in flight",
+                        g.share_pct, g.in_flight, g.cap
+                    ),
+                });
+            }
+            g.in_flight += 1;
+            Ok(Some(GateSlot(self.clone())))
+        })
+    }
+
+    /// O1: sets (or lifts, with `None`) a recovery run's hold: `(run, share %, cap, jobs held)`.
+    pub fn set_gate(&self, gate: Option<(&str, u8, u32, bool)>, draining: bool) {
+        self.with(|i| {
+            i.draining = draining;
+            match gate {
+                None => i.gate = None,
+                Some((run, share_pct, cap, jobs_held)) => {
+                    let g = i.gate.get_or_insert_with(|| GateRt {
+                        run: Arc::from(run),
+                        share_pct,
+                        cap,
+                        in_flight: 0,
+                        jobs_held,
+                        outcomes: Vec::new(),
+                    });
+                    g.run = Arc::from(run);
+                    g.share_pct = share_pct;
+                    g.cap = cap;
+                    g.jobs_held = jobs_held;
+                }
+            }
+        })
+    }
+
+    /// O2: the attempt outcomes the request path reported since the last look.
+    pub fn take_outcomes(&self) -> Vec<(Outcome, i64)> {
+        self.with(|i| {
+            i.gate
+                .as_mut()
+                .map(|g| std::mem::take(&mut g.outcomes))
+                .unwrap_or_default()
+        })
+    }
+
+    /// O1: automatic retries are off while a recovery run holds the route.
+    pub fn retries_held(&self) -> bool {
+        self.with(|i| i.gate.is_some())
+    }
+
+    /// O1: the route's background jobs wait while a recovery run holds it.
+    pub fn jobs_held(&self) -> bool {
+        self.with(|i| i.gate.as_ref().is_some_and(|g| g.jobs_held))
+    }
+
+    /// O1: the route's jobs drain in deadline order.
+    pub fn draining(&self) -> bool {
+        self.with(|i| i.draining)
+    }
+
     /// G1: a request was admitted to a channel after `wait` (or gave up after it).
     pub fn on_wait(&self, st: &AppState, wait: Duration) {
         let now = Instant::now();
@@ -186,6 +303,12 @@ impl RouteControl {
                 }
                 _ => i.breaker.on_attempt(outcome, latency, now),
             };
+            if let Some(g) = &mut i.gate
+                && g.share_pct > 0
+                && g.outcomes.len() < GATE_OUTCOMES
+            {
+                g.outcomes.push((outcome, crate::clock::now().0));
+            }
             self.saved(st, i, t, "gateway", None)
         });
         if let Some(t) = moved {
@@ -362,6 +485,8 @@ impl Control {
                         || r.with(|i| {
                             now.saturating_duration_since(i.last_used) < ROUTE_IDLE
                                 || i.breaker.state() != BreakerState::Closed
+                                || i.gate.is_some()
+                                || i.draining
                         })
                 });
             }
@@ -390,6 +515,8 @@ impl Control {
                 budget: RetryBudget::new(c.retry_budget_ratio, u64::from(c.retry_budget_min), BUDGET_WINDOW, now),
                 amp: Amplification::new(now),
                 last_used: now,
+                gate: None,
+                draining: false,
             }),
             name,
             hists: OnceLock::new(),

@@ -90,6 +90,17 @@ pub enum GatewayError {
         reason: String,
         retry_after_s: u64,
     },
+    /// O1: a recovery run holds the route: isolated (nothing is sent), or resuming at a
+    /// share of its concurrency that is in use.
+    #[error(
+        "Route `{route}` is held by recovery run {run} ({reason}); the request was not sent upstream. Retry after the indicated delay."
+    )]
+    RecoveryHold {
+        route: String,
+        run: String,
+        reason: String,
+        retry_after_s: u64,
+    },
     /// D5: every channel of the group is cooling down after repeated failures.
     #[error(
         "Every channel serving this model is cooling down after repeated failures ({detail}). Retry after the indicated delay."
@@ -227,7 +238,9 @@ impl GatewayError {
             | GatewayError::KeyLimited { .. }
             | GatewayError::LaneFull { .. } => ErrorKind::RateLimited,
             GatewayError::NoChannelInRotation { .. } => ErrorKind::Upstream,
-            GatewayError::BreakerOpen { .. } | GatewayError::ChannelsCoolingDown { .. } => ErrorKind::Unavailable,
+            GatewayError::BreakerOpen { .. }
+            | GatewayError::RecoveryHold { .. }
+            | GatewayError::ChannelsCoolingDown { .. } => ErrorKind::Unavailable,
             GatewayError::LedgerUnavailable | GatewayError::ShuttingDown | GatewayError::Interrupted => {
                 ErrorKind::Unavailable
             }
@@ -273,6 +286,7 @@ impl GatewayError {
             GatewayError::DailyBudget { .. } => GatewayClass::DailyBudget,
             GatewayError::NoChannelInRotation { .. } => GatewayClass::NoChannelInRotation,
             GatewayError::BreakerOpen { .. } => GatewayClass::BreakerOpen,
+            GatewayError::RecoveryHold { .. } => GatewayClass::RecoveryHold,
             GatewayError::ChannelsCoolingDown { .. } => GatewayClass::ChannelsCoolingDown,
             GatewayError::LedgerUnavailable => GatewayClass::LedgerUnavailable,
             GatewayError::ShuttingDown => GatewayClass::Shutdown,
@@ -307,6 +321,7 @@ impl GatewayError {
             | GatewayError::KeyLimited { retry_after_s }
             | GatewayError::LaneFull { retry_after_s, .. }
             | GatewayError::BreakerOpen { retry_after_s, .. }
+            | GatewayError::RecoveryHold { retry_after_s, .. }
             | GatewayError::ChannelsCoolingDown { retry_after_s, .. } => Some(*retry_after_s),
             GatewayError::Upstream {
                 retry_after_ms, kind, ..

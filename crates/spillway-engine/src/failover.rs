@@ -262,6 +262,8 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
             d @ (Decision::RetryNow { .. } | Decision::Queue { .. }) => {
                 if ctx.probe.is_some() || !ctx.route.sending() {
                     Decision::FailClosed(Stop::BreakerOpen)
+                } else if ctx.route.retries_held() {
+                    Decision::FailClosed(Stop::RecoveryHold)
                 } else if let Err(w) = ctx.route.try_retry() {
                     budget_wait = Some(w);
                     Decision::FailClosed(Stop::RetryBudgetExhausted)

@@ -46,7 +46,7 @@ pub struct FormError {
     pub missing_fields: Vec<String>,
 }
 
-fn form_error(status: StatusCode, error: String, missing: Vec<String>) -> Response {
+pub(crate) fn form_error(status: StatusCode, error: String, missing: Vec<String>) -> Response {
     (
         status,
         axum::Json(FormError {
@@ -57,7 +57,7 @@ fn form_error(status: StatusCode, error: String, missing: Vec<String>) -> Respon
         .into_response()
 }
 
-fn missing(fields: Vec<String>) -> Response {
+pub(crate) fn missing(fields: Vec<String>) -> Response {
     form_error(
         StatusCode::UNPROCESSABLE_ENTITY,
         format!("Missing required field(s): {}.", fields.join(", ")),
@@ -76,7 +76,7 @@ fn not_ready(st: &AppState) -> Option<Response> {
     })
 }
 
-fn ledger_down(e: impl std::fmt::Display) -> Response {
+pub(crate) fn ledger_down(e: impl std::fmt::Display) -> Response {
     admin_error(
         StatusCode::SERVICE_UNAVAILABLE,
         format!("the ledger could not be read or written: {e}"),
@@ -84,7 +84,7 @@ fn ledger_down(e: impl std::fmt::Display) -> Response {
 }
 
 /// A present, printable, bounded text field.
-fn text_field(v: &Option<String>, max: usize) -> Option<String> {
+pub(crate) fn text_field(v: &Option<String>, max: usize) -> Option<String> {
     let t = v.as_deref()?.trim();
     (!t.is_empty() && t.chars().count() <= max && !t.chars().any(char::is_control)).then(|| t.to_owned())
 }

@@ -365,9 +365,14 @@ async fn handle<C: Caller>(
     // J2: a run of a background job runs as its job's key (known by name; no secret is
     // kept), set by the runner in the request's extensions, which no client can reach.
     let job_run = parts.extensions.get::<crate::jobs::JobRun>().cloned();
-    let key = match &job_run {
-        Some(j) => j.key.clone(),
-        None => match authenticate(&st, format, &parts.headers, &parts.uri) {
+    // O1: a recovery run's confirm probe (or a drill's load), sent by the gateway as the
+    // key an operator named.
+    let recovery_probe = parts.extensions.get::<crate::recovery::ProbeRun>().cloned();
+    let bypass = recovery_probe.as_ref().is_some_and(|p| p.bypass);
+    let key = match (&job_run, &recovery_probe) {
+        (Some(j), _) => j.key.clone(),
+        (None, Some(p)) => p.key.clone(),
+        (None, None) => match authenticate(&st, format, &parts.headers, &parts.uri) {
             Ok(k) => k,
             Err(e) => return refuse_without_row(&st, format, conn.as_ref(), e),
         },
@@ -451,7 +456,8 @@ async fn handle<C: Caller>(
     // Token counting is free at the providers: it takes from the key's rate only when
     // the key says so. A job takes from it once, when submitted (B2 holds for background
     // work too); its runs hold only a concurrency slot.
-    let rated = (api != Api::CountTokens || key.key.rpm_counts_token_counting) && job_run.is_none();
+    let rated =
+        (api != Api::CountTokens || key.key.rpm_counts_token_counting) && job_run.is_none() && recovery_probe.is_none();
     match key.limits.acquire(KEY_WAIT, rated).await {
         Ok(slot) => life.hold_key(slot),
         Err(over) => {
@@ -552,9 +558,27 @@ async fn handle<C: Caller>(
     if candidates.is_empty() {
         return life.close(End::refused(GatewayError::NoChannel { format })).await;
     }
-    // G2: an open breaker sends nothing; on probation, one probe at a time.
     let route = st.control.route(&st, format, &parsed.model);
-    let probe = match route.admit(&st) {
+    // O1: a recovery run holding the route lets through only its own probes and, while
+    // resuming, its share of the route's concurrency; the run decides, not the breaker.
+    let gate_slot = match bypass {
+        true => None,
+        false => match route.enter_gate() {
+            Ok(slot) => slot,
+            Err(held) => {
+                let e = GatewayError::RecoveryHold {
+                    route: route.name.clone(),
+                    run: held.run,
+                    reason: held.reason,
+                    retry_after_s: 5,
+                };
+                return life.close(End::refused(e)).await;
+            }
+        },
+    };
+    // G2: an open breaker sends nothing; on probation, one probe at a time.
+    let admission = if bypass { Admit::Send } else { route.admit(&st) };
+    let probe = match admission {
         Admit::Send => None,
         Admit::Probe(p) => Some(p),
         Admit::Refuse { retry_after, reason } => {
@@ -575,7 +599,7 @@ async fn handle<C: Caller>(
     let capacity_wait = capacity_wait.min(deadline.saturating_duration_since(tokio::time::Instant::now()));
     // F3: a job's run is one upstream attempt (the job counts and paces its attempts); an
     // interactive request gets its workflow's attempts, or the config's.
-    let max_attempts = if job_run.is_some() {
+    let max_attempts = if job_run.is_some() || bypass {
         1
     } else if own_lane {
         workflow.interactive.max_attempts
@@ -614,6 +638,7 @@ async fn handle<C: Caller>(
     };
     // G2: the breaker may have opened while this request waited for capacity.
     if probe.is_none()
+        && !bypass
         && let Some(retry_after) = route.retry_after()
     {
         let e = GatewayError::BreakerOpen {
@@ -666,6 +691,7 @@ async fn handle<C: Caller>(
     // client's connection (see `Detach`). A shutdown past its drain deadline cuts them,
     // and the record says how.
     Detach::new(async move {
+        let _gate_slot = gate_slot;
         let cancel = life.st().shutdown.cancel.clone();
         let end = tokio::select! {
             biased;

@@ -934,6 +934,19 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
                 .then(a.created_at.cmp(&b.created_at))
                 .then(a.id.cmp(&b.id))
         });
+        // O1: a draining route's jobs go in deadline order, in the places J4's order gave
+        // them among the rest.
+        let draining = st.recoveries.draining_routes();
+        if !draining.is_empty() {
+            let slots: Vec<usize> = (0..queued.len())
+                .filter(|i| draining.iter().any(|r| r == effective_route(&queued[*i])))
+                .collect();
+            let mut by_deadline: Vec<JobRecord> = slots.iter().map(|i| queued[*i].clone()).collect();
+            by_deadline.sort_by(|a, b| a.expires_at.cmp(&b.expires_at).then(a.id.cmp(&b.id)));
+            for (slot, j) in slots.into_iter().zip(by_deadline) {
+                queued[slot] = j;
+            }
+        }
         for mut j in queued {
             if inner.claimed.contains(&j.id) {
                 continue;
@@ -956,7 +969,8 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
                 continue;
             };
             let route = st.control.route(st, format, model);
-            if route.retry_after().is_some() {
+            // O1: a recovery run holding the route holds its jobs until the drain.
+            if route.retry_after().is_some() || route.jobs_held() {
                 continue;
             }
             // E2: nothing in rotation: wait for a named reset, or ask a person.

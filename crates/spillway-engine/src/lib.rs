@@ -31,8 +31,10 @@ pub mod models;
 pub mod money;
 pub mod otel;
 pub mod prom;
+pub mod recovery;
 pub mod retry;
 pub mod routing;
+pub mod scorecard;
 pub mod server;
 pub mod state;
 pub mod stream;
@@ -227,6 +229,11 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
     workflows::upkeep(&state);
     let app = ingress::router_with(state.clone(), caller);
     jobs::start(&state, app.clone());
+    // O1: open recovery runs hold their routes again before the first request.
+    let held = recovery::start(&state, app.clone()).await?;
+    if held > 0 {
+        tracing::info!(held, "open recovery runs restored from the ledger");
+    }
     let (done_tx, server_done) = watch::channel(false);
     let st = state.clone();
     tokio::spawn(async move {

@@ -162,6 +162,8 @@ pub struct AppState {
     pub workflows: crate::workflows::Workflows,
     /// J1-J7: background jobs not yet ended.
     pub jobs: crate::jobs::Jobs,
+    /// O1-O5: guided recovery runs.
+    pub recoveries: crate::recovery::Recoveries,
 }
 
 impl AppState {
@@ -260,6 +262,7 @@ impl AppState {
             ledger_figures: Default::default(),
             workflows,
             jobs: Default::default(),
+            recoveries: Default::default(),
         })
     }
 }

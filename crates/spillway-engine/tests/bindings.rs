@@ -58,6 +58,9 @@ fn ui_bindings_are_current() {
     spillway_engine::inbox::FormError::export_all(&cfg).unwrap();
     spillway_engine::inbox::JobFilter::export_all(&cfg).unwrap();
     spillway_engine::inbox::PoliciesView::export_all(&cfg).unwrap();
+    spillway_engine::recovery::RecoveryList::export_all(&cfg).unwrap();
+    spillway_engine::recovery::RecoveryView::export_all(&cfg).unwrap();
+    spillway_engine::scorecard::Scorecard::export_all(&cfg).unwrap();
     let fresh = files(tmp.path());
     let committed_dir: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ui/src/bindings");
     if std::env::var_os("UPDATE_BINDINGS").is_some() {

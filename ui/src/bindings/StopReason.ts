@@ -3,4 +3,4 @@
 /**
  * Why a request stopped being retried (F2's fail-closed reasons and the class rules).
  */
-export type StopReason = "partial_output_committed" | "attempt_budget_exhausted" | "retry_after_exceeds_deadline" | "not_retryable" | "no_channel_left" | "client_gone" | "interrupted" | "retry_budget_exhausted" | "breaker_open" | "provider_may_have_acted" | "lane_full";
+export type StopReason = "partial_output_committed" | "attempt_budget_exhausted" | "retry_after_exceeds_deadline" | "not_retryable" | "no_channel_left" | "client_gone" | "interrupted" | "retry_budget_exhausted" | "breaker_open" | "provider_may_have_acted" | "lane_full" | "recovery_hold";
