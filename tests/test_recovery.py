@@ -337,6 +337,9 @@ def hold_then_two_approvals(gw, run, v, stage_ms):
         v = probes_until(gw, run, passed, 20, "a passing round while held")
         assert (v["step"], v["held"]) == ("confirm", True), "passing probes resumed a held run"
 
+    # One person cannot end the hold by cancelling the run either.
+    code, _, err = api(gw, "POST", f"/admin/v1/recoveries/{run}/cancel", {"actor": "pat", "reason": "tired of waiting"})
+    assert code == 409 and "approv" in err["error"].lower(), err
     url = f"/admin/v1/recoveries/{run}/approve"
     code, _, err = api(gw, "POST", url, {"actor": "pat", "role": "platform_operations"})
     assert code == 422 and "reason" in err["missing_fields"], err
@@ -622,6 +625,10 @@ def test_o2_o3_a_relapse_steps_back_a_stage_and_a_second_stop_needs_two_people(t
 # ---------------------------------------------------------------------------------------
 # A drill on the gateway's own simulator.
 
+# A second model on the drill's simulated channels: a route of its own, on the same channels.
+SIBLING = "gpt-4.1"
+
+
 def start_drill_gateway(tmp_path):
     """A gateway whose only route has simulated channels (`sim://`), so drills may run on it;
     `spillway serve` starts its simulator in-process and says where."""
@@ -638,8 +645,8 @@ def start_drill_gateway(tmp_path):
         "    drill-a: {latency_ms: 60, output_tokens: 4}",
         "    drill-b: {latency_ms: 60, output_tokens: 4}",
         "channels:",
-        f"  - {{name: drill-a, format: openai, base_url: 'sim://drill-a', models: [{model}], max_concurrency: 8, priority: 2}}",
-        f"  - {{name: drill-b, format: openai, base_url: 'sim://drill-b', models: [{model}], max_concurrency: 8, priority: 1}}",
+        f"  - {{name: drill-a, format: openai, base_url: 'sim://drill-a', models: [{model}, {SIBLING}], max_concurrency: 8, priority: 2}}",
+        f"  - {{name: drill-b, format: openai, base_url: 'sim://drill-b', models: [{model}, {SIBLING}], max_concurrency: 8, priority: 1}}",
         "keys:",
         "  - name: app",
         "    owner: team-a",
@@ -671,7 +678,7 @@ def test_o1_o2_o3_n2_a_drill_walks_every_step_on_the_simulator_and_is_marked_a_d
         for _ in range(3):
             assert chat(gw).status_code == 200  # the "before" period
         listed = listing(gw)
-        assert listed["drill_routes"] == [ROUTE] and set(listed["scenarios"]) == SCENARIOS
+        assert listed["drill_routes"] == sorted([ROUTE, f"openai/{SIBLING}"]) and set(listed["scenarios"]) == SCENARIOS
         code, _, err = api(gw, "POST", "/admin/v1/recoveries",
                            {"route": ROUTE, "actor": "ops-kim", "reason": "practice", "drill": "meteor_strike"})
         assert code == 422, err
@@ -681,6 +688,11 @@ def test_o1_o2_o3_n2_a_drill_walks_every_step_on_the_simulator_and_is_marked_a_d
         assert (v["drill"], v["step"], v["stage_ms"]) == ("server_errors", "isolate", DRILL_STAGE_MS), summary(v)
         summ = next(s for s in listing(gw)["runs"] if s["id"] == run)
         assert summ["drill"] == "server_errors"
+        # A second drill on the same simulated channels would put back the first one's
+        # fault as their usual behaviour: refused.
+        code, _, err = api(gw, "POST", "/admin/v1/recoveries",
+                           {"route": f"openai/{SIBLING}", "actor": "ops-kim", "reason": "two at once", "drill": "slow_provider"})
+        assert code == 409 and run in err["error"], err
 
         # The simulator stages the scenario: requests fail and the breaker opens.
         fail_until_open(gw, allow_ok=True)

@@ -50,7 +50,7 @@ export const SCENARIO_WORDS: Record<DrillScenario, string> = {
   server_errors: 'server errors (5xx)',
   slow_provider: 'slow provider',
   quota_exhausted: 'quota exhausted',
-  drops_after_completion: 'connection drops after completion (unknown outcomes)',
+  drops_after_completion: 'connection drops after completion (the provider did the work, the answer is lost)',
 }
 
 const ROLE_WORDS: Record<ApprovalRole, string> = {
@@ -229,19 +229,25 @@ function StartForm({ conn, list, route, setRoute }: { conn: Connection; list: Re
   const [drill, setDrill] = useState<DrillScenario | ''>('')
   const [invalid, setInvalid] = useState<string[]>([])
   const broken = list.suggestions.map((s) => s.route)
-  const routes = [...broken, ...list.drill_routes.filter((r) => !broken.includes(r)).sort()]
+  // Routes with an open breaker first: the usual reason to start; then every route a
+  // channel serves, since a route can misbehave with its breaker closed.
+  const routes = [...broken, ...list.routes.filter((r) => !broken.includes(r)).sort()]
+  const [key, setKey] = useState('')
+  // A drill's own traffic runs as a key: asked for when there is more than one.
+  const drillKey = key || (list.probe_keys.length === 1 ? list.probe_keys[0] : '')
   const openOn = new Map(list.runs.filter((r) => !ended(r.step)).map((r) => [r.route, r.id] as const))
   const drillable = (r: string) => list.drill_routes.includes(r)
   const need: string[] = []
   if (!route) need.push('route')
   if (drill && route && !drillable(route)) need.push('a route that can be drilled (see below)')
   if (route && openOn.has(route)) need.push(`a route without an open run (${route} has ${openOn.get(route)})`)
+  if (drill && !drillKey) need.push('the key the drill’s traffic runs as')
   if (!reason.trim()) need.push('reason')
   if (!actor.trim()) need.push('your name')
   const submit = act(async () => {
     setInvalid([])
     try {
-      const v = await startRecovery(conn, { route, actor: actor.trim(), reason: reason.trim(), ...(drill ? { drill } : {}) })
+      const v = await startRecovery(conn, { route, actor: actor.trim(), reason: reason.trim(), ...(drill ? { drill, key: drillKey } : {}) })
       qc.setQueryData(['recovery', conn.url, v.id], v)
       qc.invalidateQueries({ queryKey: ['recoveries'] })
       setReason('')
@@ -292,6 +298,14 @@ function StartForm({ conn, list, route, setRoute }: { conn: Connection; list: Re
           {list.scenarios.map((s) => <option key={s} value={s}>Drill: {SCENARIO_WORDS[s]}</option>)}
         </select>
       </label>
+      {drill && list.probe_keys.length > 1 && (
+        <label>The drill’s traffic runs as (and is billed to)
+          <select value={key} onChange={(e) => setKey(e.target.value)} data-testid="recovery-start-key">
+            <option value="">Choose a key</option>
+            {list.probe_keys.map((k) => <option key={k} value={k}>{k}</option>)}
+          </select>
+        </label>
+      )}
       <p className="small" data-testid="recovery-drill-routes">
         Only a route whose every channel is simulated (<code>sim://</code>) can be drilled, so a drill never reaches a real
         provider:{' '}

@@ -68,7 +68,7 @@ describe('ScorecardView', () => {
     expect(within(article).getByRole('heading', { level: 3 }).textContent).toBe(`Run ${RUN} on ${ROUTE}`)
     expect(screen.getByTestId('scorecard-period-before').textContent).toMatch(/^Before: the 28 days before the incident, .* UTC to .* UTC$/)
     expect(screen.getByTestId('scorecard-period-incident').textContent).toMatch(/^Incident: /)
-    expect(screen.getByTestId('scorecard-period-after').textContent).toMatch(/^After: the 60 minutes after recovery/)
+    expect(screen.getByTestId('scorecard-period-after').textContent).toMatch(/^After: the 60 minutes after the run closed/)
     const table = screen.getByTestId('scorecard-table')
     const headers = Array.from(table.querySelectorAll('thead th')).map((h) => h.textContent)
     expect(headers).toEqual([

@@ -15,17 +15,17 @@ import { navigate } from './router'
 
 const PERIOD_WORDS: Record<ScorePeriod['name'], { label: string; span: string }> = {
   before: { label: 'Before', span: 'the 28 days before the incident' },
-  incident: { label: 'Incident', span: 'from the incident’s start to its recovery' },
-  after: { label: 'After', span: 'the 60 minutes after recovery' },
+  incident: { label: 'Incident', span: 'from the incident’s start to the run’s close (or now, while it is open)' },
+  after: { label: 'After', span: 'the 60 minutes after the run closed' },
 }
 
 /** The figures of a score row, in the order of `SCORE_HEADERS`. */
 export const SCORE_HEADERS: { label: string; title?: string; num: boolean }[] = [
   { label: 'Requests', num: true },
   { label: 'Attempts', num: true },
-  { label: 'Amplification', title: 'Attempts ÷ requests', num: true },
-  { label: 'Success', title: 'Requests that succeeded on their first attempt', num: true },
-  { label: 'Post-retry success', title: 'Requests that succeeded in the end, retries and failovers included', num: true },
+  { label: 'Amplification', title: 'Attempts ÷ the requests that reached a provider', num: true },
+  { label: 'Success', title: 'Requests that succeeded ÷ all requests', num: true },
+  { label: 'Post-retry success', title: 'Retried requests that succeeded in the end ÷ retried requests', num: true },
   { label: 'P50 / P95', title: 'Latency, first byte of the request to the last of the answer', num: true },
   { label: 'Wait P50 / P95', title: 'Time spent waiting for capacity', num: true },
   { label: 'Cost incl. failures', title: 'What the providers charge, failed attempts included', num: true },

@@ -277,7 +277,7 @@ export const rollbackPolicy = (c: Connection, workflow: string, f: RollbackForm)
 export const getRecoveries = (c: Connection) => call<RecoveryList>(c, '/admin/v1/recoveries')
 
 /** O1, N3: `drill` set makes it a drill (refused on a route with a real provider). */
-export type StartRecoveryForm = { route: string; actor: string; reason: string; drill?: DrillScenario }
+export type StartRecoveryForm = { route: string; actor: string; reason: string; drill?: DrillScenario; key?: string }
 
 export const startRecovery = (c: Connection, f: StartRecoveryForm) => call<RecoveryView>(c, '/admin/v1/recoveries', post(f))
 

@@ -59,7 +59,7 @@ export function stepsAt(step: RecoveryStep, who = 'ana'): StepView[] {
 export function scoreRow(over: Partial<ScoreRow> = {}): ScoreRow {
   return {
     route: ROUTE, requests: 1200, attempts: 1260, amplification: 1.05, success_rate: 0.97, post_retry_success_rate: 0.995,
-    succeeded: 1194, failed: 6,
+    retries: 60, succeeded: 1194, failed: 6,
     p50_ms: 420, p95_ms: 1300, wait_p50_ms: 2, wait_p95_ms: 40, error_mix: [{ class: 'server_error', count: 30 }, { class: 'rate_limit', count: 6 }],
     cost_usd: 1.234, unpriced: 0, duplicates: 0, unknowns: 0,
     ...over,

@@ -84,6 +84,16 @@ pub enum ApprovalRole {
     BusinessOwner,
 }
 
+impl ApprovalRole {
+    /// In an operator's words.
+    pub fn label(self) -> &'static str {
+        match self {
+            ApprovalRole::PlatformOperations => "platform operations",
+            ApprovalRole::BusinessOwner => "business owner",
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, TS)]
 pub struct Approval {
     pub actor: String,
@@ -217,7 +227,7 @@ impl std::fmt::Display for RecoveryError {
             ),
             RecoveryError::NotHeld => f.write_str("the run is not waiting for approvals"),
             RecoveryError::SameApprover(a) => write!(f, "{a} already approved: the two approvals must come from two people"),
-            RecoveryError::RoleGiven(r) => write!(f, "the {r:?} approval is already given"),
+            RecoveryError::RoleGiven(r) => write!(f, "the {} approval is already given", r.label()),
             RecoveryError::NotClosable(m) => write!(f, "the run cannot close yet: {}", m.join("; ")),
             RecoveryError::Ended(s) => write!(f, "the run is {}", s.as_str()),
         }
@@ -253,6 +263,9 @@ pub struct Recovery {
     pub probe_rounds: u32,
     /// The route's normal latency the current round is judged against.
     pub normal_p95_ms: Option<f64>,
+    /// The current round passed every check (a held run waits with it for approvals).
+    #[serde(default)]
+    pub round_passed: bool,
     /// O2: the last outcomes during resume, `true` for a provider failure.
     recent: VecDeque<bool>,
     rate_limited_since: Option<i64>,
@@ -282,6 +295,7 @@ impl Recovery {
             probes: Vec::new(),
             probe_rounds: 0,
             normal_p95_ms: None,
+            round_passed: false,
             recent: VecDeque::new(),
             rate_limited_since: None,
         }
@@ -397,6 +411,7 @@ impl Recovery {
     pub fn start_probes(&mut self, normal_p95_ms: Option<f64>) -> Result<(), RecoveryError> {
         self.expect(RecoveryStep::Confirm)?;
         self.probes.clear();
+        self.round_passed = false;
         self.probe_rounds += 1;
         self.normal_p95_ms = normal_p95_ms;
         Ok(())
@@ -453,6 +468,7 @@ impl Recovery {
             at: now,
             evidence: evidence.clone(),
         });
+        self.round_passed = true;
         if self.held() {
             return Ok(None);
         }
@@ -571,6 +587,7 @@ impl Recovery {
                 self.stage = None;
                 self.stage_started_at = None;
                 self.probes.clear();
+                self.round_passed = false;
                 figures.push(("stage_pct".into(), 0.0));
                 self.go(RecoveryStep::Confirm, "stepped_back", reason, figures)
             }
@@ -641,7 +658,7 @@ impl Recovery {
             .iter()
             .rev()
             .take(2)
-            .map(|a| format!("{} ({:?})", a.actor, a.role))
+            .map(|a| format!("{} ({})", a.actor, a.role.label()))
             .collect();
         let reason = format!("approved by {}: automatic resume allowed again", names.join(" and "));
         // The stage starts its time again: it was not watched while held.
@@ -650,7 +667,7 @@ impl Recovery {
         }
         let step = self.step;
         // A held run that passed its probes resumes now.
-        if step == RecoveryStep::Confirm && !self.probe_wanted() && self.probes.len() as u32 >= self.cfg.probes {
+        if step == RecoveryStep::Confirm && self.round_passed {
             return Ok(Some(self.resume_at(0, now, "approved", reason, 0.0)));
         }
         Ok(Some(Change {
@@ -696,9 +713,30 @@ impl Recovery {
         Ok(self.go(RecoveryStep::Closed, "closed", "O4's conditions hold".into(), vec![]))
     }
 
-    /// Stops the run where it is; the route is left alone again.
+    /// G2 during resume: the route's breaker opened again. Nothing reaches the provider,
+    /// so O2 has no outcomes to judge: that is a relapse in itself.
+    pub fn on_breaker_open(&mut self, reason: &str, now: i64) -> Option<Change> {
+        (self.step == RecoveryStep::Resume)
+            .then(|| self.step_back(format!("the route's breaker opened again: {reason}"), vec![], now))
+    }
+
+    /// After a restart: the stage being resumed starts its time again, since nobody
+    /// watched the route while the gateway was down.
+    pub fn restart_stage(&mut self, now: i64) {
+        if self.step == RecoveryStep::Resume {
+            self.stage_started_at = Some(now);
+            self.recent.clear();
+            self.rate_limited_since = None;
+        }
+    }
+
+    /// Stops the run where it is; the route is left alone again. Not while held: O3's
+    /// two approvals may not be sidestepped by one person cancelling.
     pub fn cancel(&mut self, reason: &str) -> Result<Change, RecoveryError> {
         self.open()?;
+        if self.held() {
+            return Err(RecoveryError::Held);
+        }
         self.stage = None;
         self.held_since = None;
         Ok(self.go(RecoveryStep::Cancelled, "cancelled", reason.to_owned(), vec![]))

@@ -58,14 +58,19 @@ struct RouteInner {
     last_used: Instant,
     /// O1: a recovery run's hold on the route, while it has one.
     gate: Option<GateRt>,
-    /// O1: the route's held jobs drain in deadline order.
-    draining: bool,
+    /// Counts the gates the route had, so a slot of an earlier one frees nothing here.
+    epochs: u64,
 }
 
 /// What a recovery run lets the route do (see `spillway_control::Gate`), and what the
 /// request path reports back to it.
 struct GateRt {
     run: Arc<str>,
+    /// This gate among every gate the route had.
+    epoch: u64,
+    /// The current share's: O2 judges a stage by the requests it admitted, not by the
+    /// stragglers of the stage it stepped back from.
+    stage_epoch: u64,
     /// Percent of the route's concurrency; 0 pauses the route.
     share_pct: u8,
     /// Requests admitted at once at that share.
@@ -73,20 +78,47 @@ struct GateRt {
     /// Admitted through the gate and not yet ended.
     in_flight: u32,
     jobs_held: bool,
-    /// O2: attempt outcomes since the run last looked (wall-clock ms), while resuming.
-    outcomes: Vec<(Outcome, i64)>,
+    /// O2: the newest attempt outcomes since the run last looked (wall-clock ms).
+    outcomes: std::collections::VecDeque<(Outcome, i64)>,
 }
 
-/// Outcomes kept for the run between its looks: O2 needs the last 20.
-const GATE_OUTCOMES: usize = 1000;
+/// Outcomes kept for the run between its looks (every 500 ms): O2 needs the last 20.
+const GATE_OUTCOMES: usize = 100;
 
 /// A request let through a recovery run's gate; its end frees the place.
-pub struct GateSlot(Arc<RouteControl>);
+pub struct GateSlot {
+    route: Arc<RouteControl>,
+    epoch: u64,
+    stage_epoch: u64,
+}
+
+impl GateSlot {
+    /// O2: an attempt of this request ended; it counts while its stage is the gate's.
+    pub fn outcome(&self, outcome: Outcome) {
+        if outcome == Outcome::Neutral {
+            return;
+        }
+        self.route.with(|i| {
+            if let Some(g) = &mut i.gate
+                && g.epoch == self.epoch
+                && g.stage_epoch == self.stage_epoch
+                && g.share_pct > 0
+            {
+                if g.outcomes.len() >= GATE_OUTCOMES {
+                    g.outcomes.pop_front();
+                }
+                g.outcomes.push_back((outcome, crate::clock::now().0));
+            }
+        });
+    }
+}
 
 impl Drop for GateSlot {
     fn drop(&mut self) {
-        self.0.with(|i| {
-            if let Some(g) = &mut i.gate {
+        self.route.with(|i| {
+            if let Some(g) = &mut i.gate
+                && g.epoch == self.epoch
+            {
                 g.in_flight = g.in_flight.saturating_sub(1);
             }
         });
@@ -94,9 +126,12 @@ impl Drop for GateSlot {
 }
 
 /// Why a recovery run's gate refused a request.
+#[derive(Debug)]
 pub struct Held {
     pub run: String,
     pub reason: String,
+    /// Isolated, not merely full: a client should come back much later.
+    pub paused: bool,
 }
 
 /// One route's breaker, retry budget and figures.
@@ -213,6 +248,7 @@ impl RouteControl {
                 return Err(Held {
                     run: g.run.to_string(),
                     reason: "the route is isolated while it recovers".into(),
+                    paused: true,
                 });
             }
             if g.in_flight >= g.cap {
@@ -222,29 +258,41 @@ impl RouteControl {
                         "resuming at {} % of its concurrency: {} of {} in flight",
                         g.share_pct, g.in_flight, g.cap
                     ),
+                    paused: false,
                 });
             }
             g.in_flight += 1;
-            Ok(Some(GateSlot(self.clone())))
+            Ok(Some(GateSlot {
+                route: self.clone(),
+                epoch: g.epoch,
+                stage_epoch: g.stage_epoch,
+            }))
         })
     }
 
     /// O1: sets (or lifts, with `None`) a recovery run's hold: `(run, share %, cap, jobs held)`.
-    pub fn set_gate(&self, gate: Option<(&str, u8, u32, bool)>, draining: bool) {
-        self.with(|i| {
-            i.draining = draining;
-            match gate {
-                None => i.gate = None,
-                Some((run, share_pct, cap, jobs_held)) => {
-                    let g = i.gate.get_or_insert_with(|| GateRt {
+    pub fn set_gate(&self, gate: Option<(&str, u8, u32, bool)>) {
+        self.with(|i| match gate {
+            None => i.gate = None,
+            Some((run, share_pct, cap, jobs_held)) => {
+                if i.gate.as_ref().is_none_or(|g| *g.run != *run) {
+                    i.epochs += 1;
+                    i.gate = Some(GateRt {
                         run: Arc::from(run),
+                        epoch: i.epochs,
+                        stage_epoch: 0,
                         share_pct,
                         cap,
                         in_flight: 0,
                         jobs_held,
-                        outcomes: Vec::new(),
+                        outcomes: Default::default(),
                     });
-                    g.run = Arc::from(run);
+                }
+                if let Some(g) = &mut i.gate {
+                    if g.share_pct != share_pct {
+                        g.stage_epoch += 1;
+                        g.outcomes.clear();
+                    }
                     g.share_pct = share_pct;
                     g.cap = cap;
                     g.jobs_held = jobs_held;
@@ -253,12 +301,12 @@ impl RouteControl {
         })
     }
 
-    /// O2: the attempt outcomes the request path reported since the last look.
+    /// O2: the outcomes the current stage's requests reported since the last look.
     pub fn take_outcomes(&self) -> Vec<(Outcome, i64)> {
         self.with(|i| {
             i.gate
                 .as_mut()
-                .map(|g| std::mem::take(&mut g.outcomes))
+                .map(|g| g.outcomes.drain(..).collect())
                 .unwrap_or_default()
         })
     }
@@ -271,11 +319,6 @@ impl RouteControl {
     /// O1: the route's background jobs wait while a recovery run holds it.
     pub fn jobs_held(&self) -> bool {
         self.with(|i| i.gate.as_ref().is_some_and(|g| g.jobs_held))
-    }
-
-    /// O1: the route's jobs drain in deadline order.
-    pub fn draining(&self) -> bool {
-        self.with(|i| i.draining)
     }
 
     /// G1: a request was admitted to a channel after `wait` (or gave up after it).
@@ -303,12 +346,6 @@ impl RouteControl {
                 }
                 _ => i.breaker.on_attempt(outcome, latency, now),
             };
-            if let Some(g) = &mut i.gate
-                && g.share_pct > 0
-                && g.outcomes.len() < GATE_OUTCOMES
-            {
-                g.outcomes.push((outcome, crate::clock::now().0));
-            }
             self.saved(st, i, t, "gateway", None)
         });
         if let Some(t) = moved {
@@ -486,7 +523,6 @@ impl Control {
                             now.saturating_duration_since(i.last_used) < ROUTE_IDLE
                                 || i.breaker.state() != BreakerState::Closed
                                 || i.gate.is_some()
-                                || i.draining
                         })
                 });
             }
@@ -516,7 +552,7 @@ impl Control {
                 amp: Amplification::new(now),
                 last_used: now,
                 gate: None,
-                draining: false,
+                epochs: 0,
             }),
             name,
             hists: OnceLock::new(),

@@ -48,6 +48,10 @@ pub struct Ctx {
     pub route: Arc<crate::control::RouteControl>,
     /// G3: the request is a probation probe: one attempt, whose outcome decides.
     pub probe: Option<crate::control::Probe>,
+    /// O1: the request's place in a recovery run's gate; its attempts' outcomes are O2's.
+    pub gate: Option<crate::control::GateSlot>,
+    /// O1: a recovery run's confirm probe: judged on its own route, never a fallback's.
+    pub recovery_probe: bool,
     /// D4: the conversation, pinned to the channel that answers it.
     pub conversation: u64,
     /// M2: the gateway asked for the stream's usage (the client did not): the usage-only
@@ -194,6 +198,9 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
             st.control.channel_moved(&st, &channel, t, "gateway");
         }
         ctx.route.on_attempt(&st, health, latency, ctx.probe.as_mut());
+        if let Some(g) = &ctx.gate {
+            g.outcome(health);
+        }
         let (mut att, mut signal) = match outcome {
             Attempt::Answer(a) => {
                 st.control.pin(ctx.conversation, &channel);
@@ -280,6 +287,7 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
         if decision == Decision::FailClosed(Stop::AttemptBudgetExhausted)
             && attempts_before_fallback.is_none()
             && ctx.probe.is_none()
+            && !ctx.recovery_probe
             && ctx.attempt_timeout.is_none()
             && let Some((route, candidates, rewritten)) = fallback_for(&st, ctx, life)
         {
@@ -306,6 +314,8 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
                     ctx.uri = uri;
                     ctx.body = body;
                     ctx.route = route;
+                    // O1: the fallback is not the held route: its gate place goes back.
+                    ctx.gate = None;
                     tried.clear();
                     life.next_attempt(&a.channel.cfg.name, a.waited).await;
                     admitted = a;
@@ -479,7 +489,8 @@ fn fallback_for(
         }
         let (_, model) = crate::jobs::split_route(&r.to)?;
         let route = st.control.route(st, ctx.format, model);
-        if !route.sending() {
+        // O1: a route a recovery run holds takes no one else's overflow.
+        if !route.sending() || route.retries_held() {
             continue;
         }
         let candidates = routing::candidates(st, ctx.format, model, None);

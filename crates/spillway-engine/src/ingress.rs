@@ -570,7 +570,8 @@ async fn handle<C: Caller>(
                     route: route.name.clone(),
                     run: held.run,
                     reason: held.reason,
-                    retry_after_s: 5,
+                    // Isolation lasts minutes; a full share frees within seconds.
+                    retry_after_s: if held.paused { 30 } else { 2 },
                 };
                 return life.close(End::refused(e)).await;
             }
@@ -678,6 +679,8 @@ async fn handle<C: Caller>(
         client_gone: client_gone.clone(),
         route,
         probe,
+        gate: gate_slot,
+        recovery_probe: bypass,
         conversation,
         max_attempts,
         workflow,
@@ -691,7 +694,6 @@ async fn handle<C: Caller>(
     // client's connection (see `Detach`). A shutdown past its drain deadline cuts them,
     // and the record says how.
     Detach::new(async move {
-        let _gate_slot = gate_slot;
         let cancel = life.st().shutdown.cancel.clone();
         let end = tokio::select! {
             biased;

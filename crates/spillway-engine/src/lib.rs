@@ -228,12 +228,13 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
     control::tick(&state);
     workflows::upkeep(&state);
     let app = ingress::router_with(state.clone(), caller);
-    jobs::start(&state, app.clone());
-    // O1: open recovery runs hold their routes again before the first request.
+    // O1: open recovery runs hold their routes again before the first request, and
+    // before the job runner could release a held route's jobs.
     let held = recovery::start(&state, app.clone()).await?;
     if held > 0 {
         tracing::info!(held, "open recovery runs restored from the ledger");
     }
+    jobs::start(&state, app.clone());
     let (done_tx, server_done) = watch::channel(false);
     let st = state.clone();
     tokio::spawn(async move {

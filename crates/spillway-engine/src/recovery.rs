@@ -38,9 +38,9 @@ pub const KIND: &str = "recovery";
 const KEPT_RUNS: u32 = 200;
 /// Rows in an evidence bundle at most.
 const EVIDENCE_ROWS: u32 = 20_000;
-const DAY_MS: i64 = 86_400_000;
+pub(crate) const DAY_MS: i64 = 86_400_000;
 /// N2: the period before an incident: what "normal" is measured over.
-const BEFORE_MS: i64 = 28 * DAY_MS;
+pub(crate) const BEFORE_MS: i64 = 28 * DAY_MS;
 /// How often open runs look at their route.
 const TICK: Duration = Duration::from_millis(500);
 /// O2's duplicate and cost checks query the ledger: not at every tick.
@@ -75,7 +75,8 @@ pub enum DrillScenario {
     SlowProvider,
     /// Every call answers the provider's quota error, 60 s to reset.
     QuotaExhausted,
-    /// The provider does the work and the connection drops before the answer: unknowns.
+    /// The provider does the work and the connection drops before the answer: the
+    /// gateway sees a connection failure, and the provider may have billed the work.
     DropsAfterCompletion,
 }
 
@@ -406,13 +407,19 @@ struct Run {
 #[derive(Default)]
 pub struct Recoveries {
     runs: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<Run>>>>,
+    /// Each run as listed, kept at every save: the list never waits for a run busy
+    /// with its probes.
+    summaries: Mutex<BTreeMap<String, RecoverySummary>>,
     /// Route → its open run: one at a time.
     held: Mutex<HashMap<String, String>>,
+    /// A simulated channel's control URL → the open drill that staged a fault on it:
+    /// two drills on one channel would put back each other's faults as "usual".
+    drill_channels: Mutex<HashMap<String, String>>,
+    /// Routes under an open drill: their alerts say so and stay off the webhook.
+    drilling: RwLock<Vec<String>>,
     /// Routes whose jobs drain in deadline order now (read by the job runner).
     draining: RwLock<Vec<String>>,
     router: OnceLock<axum::Router>,
-    /// Evidence bundles built this session, by run: the file the console downloads.
-    bundles: Mutex<HashMap<String, Bytes>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -424,6 +431,15 @@ impl Recoveries {
     pub fn draining_routes(&self) -> Vec<String> {
         let d = self.draining.read().unwrap_or_else(|p| p.into_inner());
         if d.is_empty() { Vec::new() } else { d.clone() }
+    }
+
+    /// Whether an open drill holds `route`.
+    pub fn drilling(&self, route: &str) -> bool {
+        self.drilling
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|r| r == route)
     }
 
     fn all(&self) -> Vec<Arc<tokio::sync::Mutex<Run>>> {
@@ -439,6 +455,31 @@ fn new_run_id() -> String {
     format!("rec_{}", uuid::Uuid::now_v7().simple())
 }
 
+/// The channels serving `route` (`format/model`).
+fn route_channels<'a>(st: &'a AppState, route: &str) -> Vec<&'a Arc<crate::state::ChannelRt>> {
+    let Some((format, model)) = crate::jobs::split_route(route) else {
+        return Vec::new();
+    };
+    st.channels
+        .iter()
+        .filter(|c| c.cfg.format == format && c.cfg.serves(model))
+        .collect()
+}
+
+/// Every gateway key not revoked, by name.
+fn live_keys(st: &AppState) -> Vec<String> {
+    let mut names: Vec<String> = st
+        .accounts
+        .keys()
+        .into_iter()
+        .filter(|k| k.revoked_at.is_none())
+        .map(|k| k.name)
+        .collect();
+    names.sort();
+    names.dedup();
+    names
+}
+
 /// Every route some channel serves by name, with whether all its channels are simulated.
 fn named_routes(st: &AppState) -> BTreeMap<String, bool> {
     let mut routes: BTreeMap<String, bool> = BTreeMap::new();
@@ -448,28 +489,14 @@ fn named_routes(st: &AppState) -> BTreeMap<String, bool> {
         }
     }
     for (route, drillable) in routes.iter_mut() {
-        let Some((format, model)) = crate::jobs::split_route(route) else {
-            continue;
-        };
-        *drillable = st
-            .channels
-            .iter()
-            .filter(|c| c.cfg.format == format && c.cfg.serves(model))
-            .all(|c| c.cfg.simulated.is_some());
+        *drillable = route_channels(st, route).iter().all(|c| c.cfg.simulated.is_some());
     }
     routes
 }
 
 /// The route's channels' concurrency, all together.
 fn route_concurrency(st: &AppState, route: &str) -> u32 {
-    let Some((format, model)) = crate::jobs::split_route(route) else {
-        return 0;
-    };
-    st.channels
-        .iter()
-        .filter(|c| c.cfg.format == format && c.cfg.serves(model))
-        .map(|c| c.cfg.max_concurrency)
-        .sum()
+    route_channels(st, route).iter().map(|c| c.cfg.max_concurrency).sum()
 }
 
 fn route_control(st: &AppState, route: &str) -> Option<Arc<crate::control::RouteControl>> {
@@ -486,19 +513,22 @@ fn apply(st: &AppState, run: &Run) {
     let Some(rc) = route_control(st, &run.route) else {
         return;
     };
-    let draining = run.machine.step == RecoveryStep::Drain;
     match run.machine.gate() {
         Some(g) => {
             let cap = cap_at(g.share_pct, route_concurrency(st, &run.route));
-            rc.set_gate(Some((&run.id, g.share_pct, cap, g.jobs_held)), draining);
+            rc.set_gate(Some((&run.id, g.share_pct, cap, g.jobs_held)));
         }
-        None => rc.set_gate(None, draining),
+        None => rc.set_gate(None),
     }
-    let mut d = st.recoveries.draining.write().unwrap_or_else(|p| p.into_inner());
-    d.retain(|r| *r != run.route);
-    if draining {
-        d.push(run.route.clone());
-    }
+    let mark = |list: &RwLock<Vec<String>>, on: bool| {
+        let mut l = list.write().unwrap_or_else(|p| p.into_inner());
+        l.retain(|r| *r != run.route);
+        if on {
+            l.push(run.route.clone());
+        }
+    };
+    mark(&st.recoveries.draining, run.machine.step == RecoveryStep::Drain);
+    mark(&st.recoveries.drilling, run.is_drill() && run.machine.step.is_open());
 }
 
 fn figures_json(figures: &[Figure], drill: bool) -> serde_json::Value {
@@ -604,14 +634,30 @@ impl Run {
     }
 }
 
-/// Saves the run with its audit entries, durably, then holds the route as it says.
+/// Saves the run with its audit entries, durably, then holds the route as it says. The
+/// caller changes a copy of the run and keeps it only when this succeeds, so a failed
+/// save leaves nothing half done.
 async fn save(st: &AppState, run: &Run, audit: &[AuditEntry]) -> Result<(), Response> {
-    apply(st, run);
     st.ledger
         .store()
         .save_recovery(&run.row(), audit)
         .await
-        .map_err(ledger_down)
+        .map_err(ledger_down)?;
+    apply(st, run);
+    settle(st, run);
+    Ok(())
+}
+
+/// The lists beside the runs: the summary, and an ended run's route and channels freed.
+fn settle(st: &AppState, run: &Run) {
+    lock(&st.recoveries.summaries).insert(run.id.clone(), run.summary());
+    if !run.machine.step.is_open() {
+        let mut held = lock(&st.recoveries.held);
+        if held.get(&run.route) == Some(&run.id) {
+            held.remove(&run.route);
+        }
+        lock(&st.recoveries.drill_channels).retain(|_, id| *id != run.id);
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -631,11 +677,20 @@ pub async fn start(st: &Arc<AppState>, router: axum::Router) -> spillway_ledger:
                 continue;
             }
         };
+        let mut run = run;
         if run.machine.step.is_open() {
+            // Nobody watched the route while the gateway was down.
+            run.machine.restart_stage(clock::now().0);
             apply(st, &run);
             lock(&st.recoveries.held).insert(run.route.clone(), run.id.clone());
+            if let Some(d) = &run.drill_state {
+                for (url, _) in &d.saved {
+                    lock(&st.recoveries.drill_channels).insert(url.clone(), run.id.clone());
+                }
+            }
             open += 1;
         }
+        lock(&st.recoveries.summaries).insert(run.id.clone(), run.summary());
         let load = run
             .drill_state
             .as_ref()
@@ -663,9 +718,15 @@ pub async fn start(st: &Arc<AppState>, router: axum::Router) -> spillway_ledger:
                 slow = Instant::now();
             }
             for run in st2.recoveries.all() {
-                let mut r = run.lock().await;
-                if r.machine.step.is_open() {
-                    look(&st2, &mut r, check).await;
+                // A run busy with an action (its probes) is looked at next time.
+                let Ok(mut held) = run.try_lock() else {
+                    continue;
+                };
+                if held.machine.step.is_open() {
+                    let mut r = held.clone();
+                    if look(&st2, &mut r, check).await {
+                        *held = r;
+                    }
                 }
             }
         }
@@ -674,34 +735,40 @@ pub async fn start(st: &Arc<AppState>, router: axum::Router) -> spillway_ledger:
 }
 
 /// One look at an open run: the drill's staging, detection, O2's figures, the stages'
-/// time, the drain.
-async fn look(st: &AppState, r: &mut Run, slow: bool) {
+/// time, the drain. Returns whether `r` is to be kept: false when a transition could not
+/// be saved (the run stays as it was, and the next look tries again).
+async fn look(st: &AppState, r: &mut Run, slow: bool) -> bool {
     let now = clock::now();
     let mut audit = Vec::new();
     let mut changed = false;
-    if let Some(d) = &mut r.drill_state {
-        let mut lift = false;
-        if !d.lifted && now.0 >= d.incident_ends_at {
-            d.lifted = true;
-            lift = true;
-        }
-        if d.relapse_ends_at.is_some_and(|t| now.0 >= t) {
-            d.relapse_ends_at = None;
-            lift = d.lifted;
-        }
-        if lift {
-            let saved = d.saved.clone();
-            restore_sim(st, &saved).await;
-            let step = r.machine.step;
-            audit.push(r.event(
-                "simulator",
-                step,
-                step,
-                "drill_fault_lifted",
-                "the simulated provider answers normally again",
-                vec![],
-            ));
-            changed = true;
+    if let Some(d) = r.drill_state.clone() {
+        let incident_over = !d.lifted && now.0 >= d.incident_ends_at;
+        let relapse_over = d.relapse_ends_at.is_some_and(|t| now.0 >= t);
+        if incident_over || (relapse_over && d.lifted) {
+            // Lifted only once the simulator has its usual behaviour back; else tried
+            // again at the next look.
+            if restore_sim(st, &d.saved).await {
+                if let Some(d) = &mut r.drill_state {
+                    d.lifted = true;
+                    d.relapse_ends_at = None;
+                }
+                let step = r.machine.step;
+                audit.push(r.event(
+                    "simulator",
+                    step,
+                    step,
+                    "drill_fault_lifted",
+                    "the simulated provider answers normally again",
+                    vec![],
+                ));
+                changed = true;
+            }
+        } else if relapse_over {
+            // A relapse before the staged incident is over: the incident's fault goes on.
+            if let (Some(scenario), Some(d)) = (r.drill, &mut r.drill_state) {
+                d.relapse_ends_at = None;
+                let _ = stage_on_sim(st, &d.saved, |b| scenario.behavior(b)).await;
+            }
         }
     }
     let rc = route_control(st, &r.route);
@@ -713,15 +780,25 @@ async fn look(st: &AppState, r: &mut Run, slow: bool) {
         r.incident.detected_at = Some(UnixMs(now.0 - v.breaker.in_state_ms as i64));
         changed = true;
     }
-    let step = r.machine.step;
+    // The stage as it stood before anything moved it: the one a score is due for.
+    let before = (r.machine.stage_pct(), r.machine.stage_started_at);
     let mut changes: Vec<Change> = Vec::new();
-    if step == RecoveryStep::Resume
+    if r.machine.step == RecoveryStep::Resume
         && let Some(rc) = &rc
     {
-        for (o, at) in rc.take_outcomes() {
-            if let Some(c) = r.machine.on_outcome(o, at) {
+        // G2: an open breaker refuses before any attempt: no outcome would ever show it.
+        if rc.state() != spillway_control::BreakerState::Closed {
+            let why = rc.view("").breaker.reason.unwrap_or_else(|| "it is not closed".into());
+            if let Some(c) = r.machine.on_breaker_open(&why, now.0) {
                 changes.push(c);
-                break;
+            }
+        }
+        if changes.is_empty() {
+            for (o, at) in rc.take_outcomes() {
+                if let Some(c) = r.machine.on_outcome(o, at) {
+                    changes.push(c);
+                    break;
+                }
             }
         }
         if slow && changes.is_empty() {
@@ -745,36 +822,39 @@ async fn look(st: &AppState, r: &mut Run, slow: bool) {
             }
         }
     }
-    let before_tick = (r.machine.stage_pct(), r.machine.stage_started_at);
     if changes.is_empty()
         && let Some(c) = r.machine.tick(now.0)
     {
-        // O1: the scorecard of the stage that ran its time.
-        if let (Some(pct), Some(from)) = before_tick {
-            stage_score(st, r, pct, UnixMs(from), now).await;
-        }
         changes.push(c);
     }
-    if r.machine.step == RecoveryStep::Drain && slow {
-        let (backlog, unknowns) = backlog_and_unknowns(st, &r.route).await;
-        if let Some(c) = r.machine.drained(backlog, unknowns) {
-            changes.push(c);
-        }
+    if r.machine.step == RecoveryStep::Drain
+        && slow
+        && let Ok((backlog, unknowns)) = backlog_and_unknowns(st, &r.route).await
+        && let Some(c) = r.machine.drained(backlog, unknowns)
+    {
+        changes.push(c);
     }
     for c in changes {
-        if c.action == "stepped_back"
-            && let Some(d) = &mut r.drill_state
-            && d.relapse_ends_at.is_some()
+        // O1: the scorecard of the stage that just ended, by its time or by a step-back.
+        if c.from == RecoveryStep::Resume
+            && let (Some(pct), Some(from)) = before
         {
-            // A staged relapse ends at the step-back it was staged for: one relapse, one
-            // stop, so a drill practises O3's second stop on purpose, not by accident.
-            d.relapse_ends_at = None;
-            let saved = d.saved.clone();
-            restore_sim(st, &saved).await;
+            stage_score(st, r, pct, UnixMs(from), now).await;
         }
         if c.action == "stepped_back" {
-            if let (Some(pct), Some(from)) = before_tick {
-                stage_score(st, r, pct, UnixMs(from), now).await;
+            if let Some(d) = &mut r.drill_state
+                && d.relapse_ends_at.is_some()
+                && d.lifted
+            {
+                // A staged relapse ends at the step-back it was staged for: one relapse,
+                // one stop, so a drill practises O3's second stop on purpose (if the
+                // simulator cannot be reached now, the next look tries again).
+                let saved = d.saved.clone();
+                d.relapse_ends_at = if restore_sim(st, &saved).await {
+                    None
+                } else {
+                    Some(now.0)
+                };
             }
             st.alert(
                 Severity::Warning,
@@ -783,15 +863,22 @@ async fn look(st: &AppState, r: &mut Run, slow: bool) {
                 Some(r.route.clone()),
             );
         }
-        if c.to == RecoveryStep::Resume && c.action != "stepped_back" {
+        let entered = c.to == RecoveryStep::Resume && c.from != RecoveryStep::Resume;
+        if entered || c.action == "stage_advanced" {
             r.incident.resume_times.push(now);
         }
         audit.push(r.record("gateway", &c));
         changed = true;
     }
-    if changed && let Err(e) = save(st, r, &audit).await {
-        let _ = e;
-        tracing::error!(run = %r.id, "a recovery run's transition could not be saved; it is retried at the next look");
+    if !changed {
+        return true;
+    }
+    match save(st, r, &audit).await {
+        Ok(()) => true,
+        Err(_) => {
+            tracing::error!(run = %r.id, "a recovery run's transition could not be saved; the next look tries again");
+            false
+        }
     }
 }
 
@@ -830,7 +917,7 @@ async fn stage_score(st: &AppState, r: &mut Run, pct: u8, from: UnixMs, to: Unix
 
 /// O4: the route's jobs still waiting (queued, running, or with an owner), and its
 /// unreconciled unknowns.
-async fn backlog_and_unknowns(st: &AppState, route: &str) -> (u64, u64) {
+async fn backlog_and_unknowns(st: &AppState, route: &str) -> spillway_ledger::Result<(u64, u64)> {
     let backlog = st
         .jobs
         .open()
@@ -843,15 +930,8 @@ async fn backlog_and_unknowns(st: &AppState, route: &str) -> (u64, u64) {
                 )
         })
         .count() as u64;
-    let unknowns = match st.ledger.store().figures(UnixMs(0)).await {
-        Ok(f) => f
-            .unknown_by_route
-            .iter()
-            .find(|c| c.route == route)
-            .map_or(0, |c| c.count),
-        Err(_) => u64::MAX,
-    };
-    (backlog, unknowns)
+    let unknowns = st.ledger.store().route_unknowns(route).await?;
+    Ok((backlog, unknowns))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -864,12 +944,8 @@ fn sim_control_url(base_url: &str, name: &str) -> Option<String> {
 }
 
 fn drill_channels(st: &AppState, route: &str) -> Vec<String> {
-    let Some((format, model)) = crate::jobs::split_route(route) else {
-        return Vec::new();
-    };
-    st.channels
-        .iter()
-        .filter(|c| c.cfg.format == format && c.cfg.serves(model))
+    route_channels(st, route)
+        .into_iter()
         .filter_map(|c| {
             let name = c.cfg.simulated.as_deref()?;
             sim_control_url(&c.cfg.base_url, name)
@@ -909,12 +985,16 @@ async fn sim_put(st: &AppState, url: &str, b: &Behavior) -> Result<(), String> {
     }
 }
 
-async fn restore_sim(st: &AppState, saved: &[(String, Behavior)]) {
+/// Puts each simulated channel's usual behaviour back; false if any could not be.
+async fn restore_sim(st: &AppState, saved: &[(String, Behavior)]) -> bool {
+    let mut all = true;
     for (url, b) in saved {
         if let Err(e) = sim_put(st, url, b).await {
             tracing::warn!(error = %e, "a drill could not put a simulated channel back");
+            all = false;
         }
     }
+    all
 }
 
 async fn stage_on_sim(
@@ -1018,15 +1098,7 @@ async fn list(State(st): State<Arc<AppState>>) -> Response {
         })
         .collect();
     let routes = named_routes(&st);
-    let mut probe_keys: Vec<String> = st
-        .accounts
-        .keys()
-        .into_iter()
-        .filter(|k| k.revoked_at.is_none())
-        .map(|k| k.name)
-        .collect();
-    probe_keys.sort();
-    probe_keys.dedup();
+    let probe_keys = live_keys(&st);
     Json(RecoveryList {
         runs,
         suggestions,
@@ -1069,11 +1141,7 @@ async fn open(State(st): State<Arc<AppState>>, b: Bytes) -> Response {
             Vec::new(),
         );
     };
-    if !st
-        .channels
-        .iter()
-        .any(|c| c.cfg.format == format && c.cfg.serves(model))
-    {
+    if route_channels(&st, &format!("{format}/{model}")).is_empty() {
         return form_error(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!("`route`: no channel serves `{route}`"),
@@ -1133,6 +1201,7 @@ async fn open(State(st): State<Arc<AppState>>, b: Bytes) -> Response {
     // Until it is saved, the run is not listed; the route is reserved for it.
     let forget = |st: &AppState| {
         lock(&st.recoveries.held).remove(&route);
+        lock(&st.recoveries.drill_channels).retain(|_, run| *run != id);
     };
     let what = match f.drill {
         Some(d) => format!("drill ({}) opened: {reason}", d.label()),
@@ -1157,11 +1226,36 @@ async fn open(State(st): State<Arc<AppState>>, b: Bytes) -> Response {
                 vec!["key".into()],
             );
         }
-        (Some(_), None) => first_live_key(&st),
+        (Some(_), None) => match live_keys(&st).as_slice() {
+            [only] => Some(only.clone()),
+            _ => {
+                forget(&st);
+                return form_error(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "`key`: name the gateway key the drill's own traffic runs as (and is billed to)".into(),
+                    vec!["key".into()],
+                );
+            }
+        },
     };
     if let Some(d) = f.drill {
+        let urls = drill_channels(&st, &route);
+        {
+            // Two drills on one simulated channel would each put back the other's fault.
+            let mut taken = lock(&st.recoveries.drill_channels);
+            if let Some((url, other)) = urls.iter().find_map(|u| taken.get(u).map(|o| (u, o))) {
+                let msg =
+                    format!("drill {other} already stages a fault on the simulated channel {url}; close it first");
+                drop(taken);
+                forget(&st);
+                return conflict(msg);
+            }
+            for u in &urls {
+                taken.insert(u.clone(), id.clone());
+            }
+        }
         let mut saved = Vec::new();
-        for url in drill_channels(&st, &route) {
+        for url in urls {
             match sim_get(&st, &url).await {
                 Ok(b) => saved.push((url, b)),
                 Err(e) => {
@@ -1213,18 +1307,6 @@ async fn open(State(st): State<Arc<AppState>>, b: Bytes) -> Response {
         drill_load(&st, cell, run.route.clone(), k);
     }
     (StatusCode::CREATED, Json(view(&st, &run).await)).into_response()
-}
-
-fn first_live_key(st: &AppState) -> Option<String> {
-    let mut names: Vec<String> = st
-        .accounts
-        .keys()
-        .into_iter()
-        .filter(|k| k.revoked_at.is_none())
-        .map(|k| k.name)
-        .collect();
-    names.sort();
-    names.into_iter().next()
 }
 
 /// A drill's own traffic: one-token requests on the route as `key`, through the gate and
@@ -1294,27 +1376,17 @@ fn id_ms(id: &str) -> Option<UnixMs> {
 /// after its last success (else the run's opening).
 async fn incident_start(st: &AppState, route: &str, now: UnixMs) -> UnixMs {
     let from = UnixMs(now.0 - 3_600_000);
-    let Ok(rows) = st
+    match st
         .ledger
         .store()
-        .route_requests(route, from, UnixMs(now.0 + 1), EVIDENCE_ROWS)
+        .first_failure(route, from, UnixMs(now.0 + 1), true)
         .await
-    else {
-        return now;
-    };
-    let mut start = None;
-    for (r, _) in rows.iter() {
-        match r.state {
-            spillway_ledger::RequestState::Done => start = None,
-            spillway_ledger::RequestState::Failed | spillway_ledger::RequestState::Unknown => {
-                // Windows select rows by their id (UUIDv7), stamped just before
-                // `received_at`: the id's millisecond keeps the first failure inside.
-                start.get_or_insert(id_ms(&r.id).unwrap_or(r.received_at));
-            }
-            _ => {}
-        }
+    {
+        // Windows select rows by their id (UUIDv7), stamped just before `received_at`:
+        // the id's millisecond keeps the first failure inside.
+        Ok(Some(id)) => id_ms(&id).unwrap_or(now),
+        _ => now,
     }
-    start.unwrap_or(now)
 }
 
 async fn show(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
@@ -1393,9 +1465,13 @@ async fn rollback_candidates(st: &AppState, r: &Run) -> Vec<RollbackCandidate> {
         .collect()
 }
 
-async fn close_checks(st: &AppState, r: &Run, overruns: &[Overrun]) -> (CloseChecks, u64, u64) {
-    let (backlog, unknowns) = backlog_and_unknowns(st, &r.route).await;
-    (
+async fn close_checks(
+    st: &AppState,
+    r: &Run,
+    overruns: &[Overrun],
+) -> spillway_ledger::Result<(CloseChecks, u64, u64)> {
+    let (backlog, unknowns) = backlog_and_unknowns(st, &r.route).await?;
+    Ok((
         CloseChecks {
             backlog,
             unknowns,
@@ -1404,7 +1480,7 @@ async fn close_checks(st: &AppState, r: &Run, overruns: &[Overrun]) -> (CloseChe
         },
         backlog,
         unknowns,
-    )
+    ))
 }
 
 async fn view(st: &AppState, r: &Run) -> RecoveryView {
@@ -1424,7 +1500,16 @@ async fn view(st: &AppState, r: &Run) -> RecoveryView {
         })
         .collect();
     let overruns = overruns(st, r).await;
-    let (checks, backlog, unknowns) = close_checks(st, r, &overruns).await;
+    let (close_missing, backlog, unknowns) = match close_checks(st, r, &overruns).await {
+        Ok((checks, b, u)) => (checks.missing(), b, u),
+        Err(e) => (
+            vec![format!(
+                "the ledger could not be read to check the backlog and unknowns: {e}"
+            )],
+            0,
+            0,
+        ),
+    };
     let total = route_concurrency(st, &r.route);
     let gate = m.gate();
     let (outcomes, failures, rl_since) = m.recent();
@@ -1439,7 +1524,7 @@ async fn view(st: &AppState, r: &Run) -> RecoveryView {
     } else {
         r.incident.clone()
     };
-    let rollback_candidates = if r.machine.step.is_open() {
+    let rollback_candidates = if r.machine.step == RecoveryStep::RollBack {
         rollback_candidates(st, r).await
     } else {
         Vec::new()
@@ -1482,7 +1567,7 @@ async fn view(st: &AppState, r: &Run) -> RecoveryView {
             daily_budget_usd: budget.and_then(|b| b.daily_budget_usd),
         },
         stage_scores: r.stage_scores.clone(),
-        close_missing: if m.step.is_open() { checks.missing() } else { Vec::new() },
+        close_missing: if m.step.is_open() { close_missing } else { Vec::new() },
         overruns,
         backlog,
         unknowns,
@@ -1521,10 +1606,11 @@ async fn isolate(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut run = match open_run(&st, &id).await {
+    let mut guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
+    let mut run = guard.clone();
     let now = clock::now();
     let rows = match st
         .ledger
@@ -1565,6 +1651,7 @@ async fn isolate(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
     if let Err(r) = save(&st, &run, &[a]).await {
         return r;
     }
+    *guard = run.clone();
     Json(view(&st, &run).await).into_response()
 }
 
@@ -1648,10 +1735,11 @@ async fn preserve(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: By
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut run = match open_run(&st, &id).await {
+    let mut guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
+    let mut run = guard.clone();
     if run.machine.step != RecoveryStep::Preserve {
         return conflict(format!("the run is at `{}`, not `preserve`", run.machine.step.as_str()));
     }
@@ -1675,12 +1763,17 @@ async fn preserve(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: By
         Err(e) => return refused(e),
     };
     c.figures = vec![("requests".into(), n as f64), ("bytes".into(), bytes.len() as f64)];
-    lock(&st.recoveries.bundles).insert(run.id.clone(), bytes);
+    // The very bytes the hash was taken of, kept apart from the request rows a prune
+    // may remove.
+    if let Err(e) = st.ledger.store().save_evidence(&run.id, &bytes).await {
+        return ledger_down(e);
+    }
     run.evidence = Some(summary);
     let a = run.record(&actor, &c);
     if let Err(r) = save(&st, &run, &[a]).await {
         return r;
     }
+    *guard = run.clone();
     Json(view(&st, &run).await).into_response()
 }
 
@@ -1700,18 +1793,13 @@ async fn evidence(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Re
         return not_found(&id);
     };
     let run = cell.lock().await.clone();
-    let Some(ev) = &run.evidence else {
+    if run.evidence.is_none() {
         return conflict("the evidence bundle is built at the `preserve` step; it has not been yet");
-    };
-    // Built this session: the very bytes its hash was taken of. After a restart, built
-    // again over the same window (rows reconciled since may differ: the hash says so).
-    let kept = lock(&st.recoveries.bundles).get(&id).cloned();
-    let bytes = match kept {
-        Some(b) => b,
-        None => match build_bundle(&st, &run, ev.built_at).await {
-            Ok((b, _, _)) => b,
-            Err(e) => return ledger_down(e),
-        },
+    }
+    let bytes = match st.ledger.store().evidence(&id).await {
+        Ok(Some(b)) => Bytes::from(b),
+        Ok(None) => return conflict(format!("the evidence bundle of {id} is not in the ledger")),
+        Err(e) => return ledger_down(e),
     };
     attachment("application/json", &format!("{id}-evidence.json"), bytes)
 }
@@ -1734,10 +1822,11 @@ async fn rollback(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: By
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut run = match open_run(&st, &id).await {
+    let mut guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
+    let mut run = guard.clone();
     if run.machine.step != RecoveryStep::RollBack {
         return conflict(format!(
             "the run is at `{}`, not `roll_back`",
@@ -1815,6 +1904,7 @@ async fn rollback(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: By
     if let Err(r) = save(&st, &run, &[a]).await {
         return r;
     }
+    *guard = run.clone();
     Json(view(&st, &run).await).into_response()
 }
 
@@ -1839,10 +1929,23 @@ fn synthetic_request(
     client_id: &str,
 ) -> Option<http::Request<axum::body::Body>> {
     let (format, model) = crate::jobs::split_route(route)?;
+    // An embedding model is probed on its own endpoint: a chat request would fail there
+    // however healthy the provider is.
+    let embeds = model.contains("embedding");
     let (path, body) = match format {
+        Format::OpenAi if embeds => (
+            "/v1/embeddings".to_owned(),
+            serde_json::json!({"model": model, "input": prompt}),
+        ),
+        Format::Gemini if embeds => (
+            format!("/v1beta/models/{model}:embedContent"),
+            serde_json::json!({"content": {"parts": [{"text": prompt}]}}),
+        ),
+        // `max_completion_tokens`: what every current OpenAI chat model takes (reasoning
+        // models refuse `max_tokens`).
         Format::OpenAi => (
             "/v1/chat/completions".to_owned(),
-            serde_json::json!({"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": prompt}]}),
+            serde_json::json!({"model": model, "max_completion_tokens": 1, "messages": [{"role": "user", "content": prompt}]}),
         ),
         Format::Anthropic => (
             "/v1/messages".to_owned(),
@@ -1870,16 +1973,14 @@ fn synthetic_request(
 /// before the incident, else what the breaker has seen.
 async fn normal_p95(st: &AppState, r: &Run) -> Option<f64> {
     let start = r.incident.started_at;
-    let rows = st
+    let ledger = st
         .ledger
         .store()
-        .scorecard(UnixMs(start.0 - BEFORE_MS), start, Some(&r.route))
+        .normal_latency(&r.route, UnixMs(start.0 - BEFORE_MS), start)
         .await
-        .ok()?;
-    rows.into_iter()
-        .find(|x| x.route == r.route)
-        .and_then(|x| x.p95_ms)
-        .or_else(|| route_control(st, &r.route).and_then(|rc| rc.view("").breaker.normal_latency_ms))
+        .ok()
+        .flatten();
+    ledger.or_else(|| route_control(st, &r.route).and_then(|rc| rc.view("").breaker.normal_latency_ms))
 }
 
 async fn probes(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Bytes) -> Response {
@@ -1901,10 +2002,11 @@ async fn probes(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byte
     let Some(router) = st.recoveries.router.get().cloned() else {
         return admin_error(StatusCode::SERVICE_UNAVAILABLE, "the gateway is still starting");
     };
-    let mut run = match open_run(&st, &id).await {
+    let mut guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
+    let mut run = guard.clone();
     let normal = normal_p95(&st, &run).await;
     if let Err(e) = run.machine.start_probes(normal) {
         return refused(e);
@@ -1980,27 +2082,10 @@ async fn probes(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byte
     let step = run.machine.step;
     match verdict {
         Some(Ok(Some(c))) => {
-            run.incident.recovered_at = Some(now);
-            run.incident.resume_times.push(now);
-            audit.push(run.record(&actor, &c));
-            // The run, not the breaker, decides from here: the breaker closes on its word.
-            if let Some(rc) = route_control(&st, &run.route)
-                && rc.state() != spillway_control::BreakerState::Closed
-            {
-                let why = format!("recovery run {} confirmed the route: {}", run.id, c.reason);
-                if let Err(e) = st.control.force(&st, &rc, false, &actor, &why).await {
-                    return ledger_down(e);
-                }
-                let what = format!("breaker of {} closed by the recovery run", run.route);
-                run.incident.config_changes.push(ConfigChange {
-                    at: now,
-                    actor: actor.clone(),
-                    approver: None,
-                    what,
-                    before: Some(format!("{:?}", rc.state()).to_lowercase()),
-                    after: Some("closed".into()),
-                });
+            if let Err(e) = resumed(&st, &mut run, &actor, &c, now).await {
+                return ledger_down(e);
             }
+            audit.push(run.record(&actor, &c));
         }
         Some(Err(why)) => {
             audit.push(run.event(
@@ -2031,7 +2116,32 @@ async fn probes(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byte
     if let Err(r) = save(&st, &run, &audit).await {
         return r;
     }
+    *guard = run.clone();
     Json(view(&st, &run).await).into_response()
+}
+
+/// The run resumes (its probes passed, or its approvals came in after they did): the
+/// route's breaker closes on the run's word, since from here the run decides, and the
+/// incident record notes when.
+async fn resumed(st: &AppState, run: &mut Run, actor: &str, c: &Change, now: UnixMs) -> spillway_ledger::Result<()> {
+    run.incident.recovered_at.get_or_insert(now);
+    run.incident.resume_times.push(now);
+    if let Some(rc) = route_control(st, &run.route) {
+        let before = rc.state();
+        if before != spillway_control::BreakerState::Closed {
+            let why = format!("recovery run {} confirmed the route: {}", run.id, c.reason);
+            st.control.force(st, &rc, false, actor, &why).await?;
+            run.incident.config_changes.push(ConfigChange {
+                at: now,
+                actor: actor.to_owned(),
+                approver: None,
+                what: format!("breaker of {} closed by the recovery run", run.route),
+                before: Some(format!("{before:?}").to_lowercase()),
+                after: Some("closed".into()),
+            });
+        }
+    }
+    Ok(())
 }
 
 async fn probe_duplicated(st: &AppState, route: &str, since: UnixMs) -> bool {
@@ -2077,10 +2187,11 @@ async fn approve(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         text_field(&f.reason, 500).unwrap_or_default(),
     );
     let role = f.role.unwrap_or(ApprovalRole::PlatformOperations);
-    let mut run = match open_run(&st, &id).await {
+    let mut guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
+    let mut run = guard.clone();
     let now = clock::now();
     let step = run.machine.step;
     let got = match run.machine.approve(Approval {
@@ -2092,10 +2203,7 @@ async fn approve(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         Ok(c) => c,
         Err(e) => return refused(e),
     };
-    let role_name = match role {
-        ApprovalRole::PlatformOperations => "platform operations",
-        ApprovalRole::BusinessOwner => "business owner",
-    };
+    let role_name = role.label();
     let mut audit = vec![run.event(
         &actor,
         step,
@@ -2105,14 +2213,18 @@ async fn approve(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         vec![],
     )];
     if let Some(c) = got {
-        if c.to == RecoveryStep::Resume && step != RecoveryStep::Resume {
-            run.incident.resume_times.push(now);
+        if c.to == RecoveryStep::Resume
+            && step != RecoveryStep::Resume
+            && let Err(e) = resumed(&st, &mut run, &actor, &c, now).await
+        {
+            return ledger_down(e);
         }
         audit.push(run.record(&actor, &c));
     }
     if let Err(r) = save(&st, &run, &audit).await {
         return r;
     }
+    *guard = run.clone();
     Json(view(&st, &run).await).into_response()
 }
 
@@ -2137,10 +2249,11 @@ async fn explain(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut run = match open_run(&st, &id).await {
+    let mut guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
+    let mut run = guard.clone();
     if !overruns(&st, &run).await.iter().any(|o| o.id == overrun) {
         return admin_error(
             StatusCode::NOT_FOUND,
@@ -2161,6 +2274,7 @@ async fn explain(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
     if let Err(r) = save(&st, &run, &[a]).await {
         return r;
     }
+    *guard = run.clone();
     Json(view(&st, &run).await).into_response()
 }
 
@@ -2182,10 +2296,11 @@ async fn close(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Bytes
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut run = match open_run(&st, &id).await {
+    let mut guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
+    let mut run = guard.clone();
     // What the operator wrote is kept even when the run cannot close yet.
     if let Some(c) = f.customer_contacted {
         run.incident.customer_contacted = c;
@@ -2198,11 +2313,16 @@ async fn close(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Bytes
     }
     let now = clock::now();
     let overruns = overruns(&st, &run).await;
-    let (checks, _, _) = close_checks(&st, &run, &overruns).await;
+    let checks = match close_checks(&st, &run, &overruns).await {
+        Ok((c, _, _)) => c,
+        Err(e) => return ledger_down(e),
+    };
     let c = match run.machine.close(&checks, &actor, now.0) {
         Ok(c) => c,
         Err(spillway_control::RecoveryError::NotClosable(m)) => {
-            let _ = save(&st, &run, &[]).await;
+            if save(&st, &run, &[]).await.is_ok() {
+                *guard = run.clone();
+            }
             return (
                 StatusCode::CONFLICT,
                 Json(serde_json::json!({"error": format!("the run cannot close yet: {}", m.join("; ")), "missing": m})),
@@ -2222,21 +2342,37 @@ async fn close(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Bytes
     if let Err(r) = save(&st, &run, &[a]).await {
         return r;
     }
+    *guard = run.clone();
     Json(view(&st, &run).await).into_response()
 }
 
-/// The run's end: the incident's figures fixed, the simulator put back.
+/// The run's end: the incident's figures fixed, the simulator put back (tried a few
+/// times: a drill must not leave a channel failing).
 async fn finish(st: &AppState, run: &mut Run, actor: &str, now: UnixMs) {
-    lock(&st.recoveries.held).remove(&run.route);
     run.closed_at = Some(now);
     run.incident.closed_at = Some(now);
     run.incident.closed_by = Some(actor.to_owned());
-    if let Some(d) = &run.drill_state {
-        restore_sim(st, &d.saved).await;
-    }
-    if let Some(d) = &mut run.drill_state {
-        d.lifted = true;
-        d.relapse_ends_at = None;
+    if let Some(d) = run.drill_state.clone() {
+        let mut back = false;
+        for _ in 0..3 {
+            if restore_sim(st, &d.saved).await {
+                back = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        if !back {
+            st.alert(
+                Severity::Critical,
+                format!("Drill on {} could not put the simulator back", run.route),
+                "a simulated channel may still answer with the drill's fault; restart the gateway to reset the simulator".into(),
+                None,
+            );
+        }
+        if let Some(d) = &mut run.drill_state {
+            d.lifted = true;
+            d.relapse_ends_at = None;
+        }
     }
     fill_incident(st, run).await;
 }
@@ -2257,17 +2393,12 @@ async fn fill_incident(st: &AppState, run: &mut Run) {
         run.incident.spend_usd = x.cost_usd;
     }
     if run.incident.first_error.is_none()
-        && let Ok(rows) = st
+        && let Ok(Some(id)) = st
             .ledger
             .store()
-            .route_requests(&run.route, run.incident.started_at, to, 2000)
+            .first_failure(&run.route, run.incident.started_at, to, false)
             .await
-        && let Some((q, _)) = rows.iter().find(|(q, _)| {
-            matches!(
-                q.state,
-                spillway_ledger::RequestState::Failed | spillway_ledger::RequestState::Unknown
-            )
-        })
+        && let Ok(Some(q)) = st.ledger.store().get_request(&id).await
     {
         run.incident.first_error = Some(FirstError {
             at: q.received_at,
@@ -2287,10 +2418,11 @@ async fn cancel(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byte
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut run = match open_run(&st, &id).await {
+    let mut guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
+    let mut run = guard.clone();
     let c = match run.machine.cancel(&reason) {
         Ok(c) => c,
         Err(e) => return refused(e),
@@ -2301,6 +2433,7 @@ async fn cancel(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byte
     if let Err(r) = save(&st, &run, &[a]).await {
         return r;
     }
+    *guard = run.clone();
     Json(view(&st, &run).await).into_response()
 }
 
@@ -2313,10 +2446,11 @@ async fn relapse(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut run = match open_run(&st, &id).await {
+    let mut guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
+    let mut run = guard.clone();
     let Some(d) = run.drill_state.clone() else {
         return conflict("a relapse is staged only in a drill: this run is a real incident");
     };
@@ -2346,6 +2480,7 @@ async fn relapse(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
     if let Err(r) = save(&st, &run, &[a]).await {
         return r;
     }
+    *guard = run.clone();
     Json(view(&st, &run).await).into_response()
 }
 
@@ -2574,9 +2709,9 @@ async fn report_md(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> R
     for a in &run.machine.approvals {
         let _ = writeln!(
             md,
-            "- {} approved as {:?} at {}: {}",
+            "- {} approved as {} at {}: {}",
             cell(&a.actor),
-            a.role,
+            a.role.label(),
             t(Some(UnixMs(a.at))),
             cell(&a.reason)
         );

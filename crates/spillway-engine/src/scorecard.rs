@@ -18,8 +18,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use ts_rs::TS;
 
-const DAY_MS: i64 = 86_400_000;
-const BEFORE_MS: i64 = 28 * DAY_MS;
+use crate::recovery::{BEFORE_MS, DAY_MS};
+/// N2: the period after an incident.
 const AFTER_MS: i64 = 60 * 60_000;
 
 /// N2: one period's figures: each route's row, then `overall`.

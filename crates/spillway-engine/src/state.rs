@@ -170,6 +170,9 @@ impl AppState {
     /// Raises an alert: to every subscriber (consoles, the desktop), to the configured
     /// webhook (G4), and to the log.
     pub fn alert(&self, severity: Severity, title: String, body: String, subject: Option<String>) {
+        // A drill's alerts say so, and stay off the webhook: practice must not page anyone.
+        let drill = subject.as_deref().is_some_and(|s| self.recoveries.drilling(s));
+        let title = if drill { format!("[DRILL] {title}") } else { title };
         tracing::warn!(?severity, subject = subject.as_deref().unwrap_or(""), "{title}: {body}");
         let alert = OperatorAlert {
             at: crate::clock::now(),
@@ -178,7 +181,11 @@ impl AppState {
             body,
             subject,
         };
-        if let (Some(url), Ok(rt)) = (&self.config.alert_webhook_url, tokio::runtime::Handle::try_current()) {
+        if let (false, Some(url), Ok(rt)) = (
+            drill,
+            &self.config.alert_webhook_url,
+            tokio::runtime::Handle::try_current(),
+        ) {
             // Through the upstream client (no redirects, no desktop proxy), bounded, and
             // never waited for: an alert must not hold the request that raised it. The URL
             // may carry a token: it is never logged.

@@ -470,6 +470,8 @@ async fn request(st: &Arc<AppState>) -> (Life, Ctx, Admitted) {
         client_gone: tokio_util::sync::CancellationToken::new(),
         route,
         probe,
+        gate: None,
+        recovery_probe: false,
         conversation: 7,
         strip_usage: false,
         max_attempts: st.config.max_attempts,
@@ -2150,4 +2152,46 @@ async fn m1_an_unpriced_models_cost_is_unknown_never_zero() {
         last.estimated_input_tokens.is_some_and(|n| (3..=20).contains(&n)),
         "{last:?}"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn o1_the_gate_pauses_caps_and_frees_only_its_own_places() {
+    // spec: O1, O2
+    let (st, _) = state_with(config("", &[("a", 64)]));
+    let route = st.control.route(&st, Format::OpenAi, "m");
+    assert!(route.enter_gate().unwrap().is_none(), "no run: no gate");
+    // Isolated: refused, retries and jobs held.
+    route.set_gate(Some(("run-a", 0, 1, true)));
+    let held = route.enter_gate().err().unwrap();
+    assert!(held.paused && held.run == "run-a");
+    assert!(route.retries_held() && route.jobs_held());
+    // Resuming with one place: the second request waits for the first.
+    route.set_gate(Some(("run-a", 25, 1, true)));
+    let first = route.enter_gate().ok().flatten().unwrap();
+    let full = route.enter_gate().err().unwrap();
+    assert!(
+        !full.paused && full.reason.contains("1 of 1 in flight"),
+        "{}",
+        full.reason
+    );
+    // Its outcomes are the stage's; after the share changes they are not the next one's.
+    first.outcome(Outcome::ProviderFailure);
+    first.outcome(Outcome::Neutral);
+    assert_eq!(route.take_outcomes().len(), 1);
+    route.set_gate(Some(("run-a", 50, 1, true)));
+    first.outcome(Outcome::ProviderFailure);
+    assert!(route.take_outcomes().is_empty());
+    // Another run's gate: the first run's place, freed late, frees nothing of it.
+    route.set_gate(None);
+    route.set_gate(Some(("run-b", 25, 1, true)));
+    let second = route.enter_gate().unwrap().unwrap();
+    drop(first);
+    assert!(
+        route.enter_gate().is_err(),
+        "an old run's slot freed a place of the new run"
+    );
+    drop(second);
+    assert!(route.enter_gate().unwrap().is_some());
+    route.set_gate(None);
+    assert!(!route.retries_held() && !route.jobs_held());
 }

@@ -11,3 +11,9 @@ CREATE TABLE recovery_runs (
     body       TEXT NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX recovery_runs_opened ON recovery_runs (opened_at);
+-- O1: each run's evidence bundle, the bytes its SHA-256 was taken of, kept apart from the
+-- run's row (rewritten at every transition) and from the request rows (pruned).
+CREATE TABLE recovery_evidence (
+    run_id  TEXT PRIMARY KEY NOT NULL,
+    bytes   BLOB NOT NULL
+) WITHOUT ROWID;

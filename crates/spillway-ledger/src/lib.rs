@@ -173,6 +173,35 @@ pub trait LedgerBackend: Send + Sync + 'static {
     async fn save_recovery(&self, _run: &RecoveryRow, _audit: &[AuditEntry]) -> Result<()> {
         Err(Error::Unavailable("this store keeps no recovery runs".into()))
     }
+    /// O1: keeps a run's evidence bundle, durably.
+    async fn save_evidence(&self, _run_id: &str, _bytes: &[u8]) -> Result<()> {
+        Err(Error::Unavailable("this store keeps no evidence bundles".into()))
+    }
+    /// A run's evidence bundle, as kept.
+    async fn evidence(&self, _run_id: &str) -> Result<Option<Vec<u8>>> {
+        Ok(None)
+    }
+    /// O4: `route`'s requests whose outcome is unknown, not yet reconciled.
+    async fn route_unknowns(&self, _route: &str) -> Result<u64> {
+        Ok(0)
+    }
+    /// O5: the id of `route`'s first provider failure in `[from, to)`; with
+    /// `after_last_success`, the first after its last answered request there (where an
+    /// incident began).
+    async fn first_failure(
+        &self,
+        _route: &str,
+        _from: UnixMs,
+        _to: UnixMs,
+        _after_last_success: bool,
+    ) -> Result<Option<String>> {
+        Ok(None)
+    }
+    /// O1: the P95 latency of `route`'s answered, non-streamed requests in `[from, to)`:
+    /// its normal, for a one-token probe to be judged against.
+    async fn normal_latency(&self, _route: &str, _from: UnixMs, _to: UnixMs) -> Result<Option<f64>> {
+        Ok(None)
+    }
     /// The newest runs (open ones first), at most `limit`.
     async fn recoveries(&self, _limit: u32) -> Result<Vec<RecoveryRow>> {
         Ok(Vec::new())

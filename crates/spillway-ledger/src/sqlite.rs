@@ -1629,6 +1629,73 @@ impl LedgerBackend for SqliteBackend {
             .collect()
     }
 
+    async fn save_evidence(&self, run_id: &str, bytes: &[u8]) -> Result<()> {
+        let mut w = self.writable().await?;
+        sqlx::query("INSERT OR REPLACE INTO recovery_evidence (run_id, bytes) VALUES (?, ?)")
+            .bind(run_id)
+            .bind(bytes)
+            .execute(&mut w.0)
+            .await?;
+        Ok(())
+    }
+
+    async fn evidence(&self, run_id: &str) -> Result<Option<Vec<u8>>> {
+        Ok(
+            sqlx::query_scalar("SELECT bytes FROM recovery_evidence WHERE run_id = ?")
+                .bind(run_id)
+                .fetch_optional(&self.readers)
+                .await?,
+        )
+    }
+
+    async fn route_unknowns(&self, route: &str) -> Result<u64> {
+        // The partial index on unknown rows: rare by nature, cheap to count.
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM requests WHERE state = 'unknown' AND route = ?")
+            .bind(route)
+            .fetch_one(&self.readers)
+            .await?;
+        Ok(n.max(0) as u64)
+    }
+
+    async fn first_failure(
+        &self,
+        route: &str,
+        from: UnixMs,
+        to: UnixMs,
+        after_last_success: bool,
+    ) -> Result<Option<String>> {
+        let (lo, hi) = (uuid_floor(from), uuid_floor(to));
+        Ok(sqlx::query_scalar(
+            "SELECT MIN(id) FROM requests WHERE id >= ?1 AND id < ?2 AND route = ?3 \
+             AND state IN ('failed', 'unknown') AND attempts > 0 \
+             AND (?4 = 0 OR id > COALESCE((SELECT MAX(id) FROM requests WHERE id >= ?1 AND id < ?2 AND route = ?3 \
+             AND state = 'done'), ''))",
+        )
+        .bind(&lo)
+        .bind(&hi)
+        .bind(route)
+        .bind(after_last_success)
+        .fetch_one(&self.readers)
+        .await?)
+    }
+
+    async fn normal_latency(&self, route: &str, from: UnixMs, to: UnixMs) -> Result<Option<f64>> {
+        let row = sqlx::query(
+            "SELECT v FROM (SELECT finished_at - received_at AS v, ROW_NUMBER() OVER (ORDER BY finished_at - received_at) AS rn, \
+             COUNT(*) OVER () AS n FROM requests WHERE id >= ? AND id < ? AND route = ? AND state = 'done' \
+             AND stream = 0 AND finished_at IS NOT NULL) WHERE rn = MAX(1, (n * 95 + 99) / 100)",
+        )
+        .bind(uuid_floor(from))
+        .bind(uuid_floor(to))
+        .bind(route)
+        .fetch_optional(&self.readers)
+        .await?;
+        Ok(match row {
+            Some(r) => Some(r.try_get::<i64, _>(0)? as f64),
+            None => None,
+        })
+    }
+
     async fn scorecard(&self, from: UnixMs, to: UnixMs, route: Option<&str>) -> Result<Vec<ScoreRow>> {
         // Rows by their key: a UUIDv7 id starts with its millisecond (`received_at`).
         let (lo, hi) = (uuid_floor(from), uuid_floor(to));
@@ -1715,11 +1782,15 @@ impl LedgerBackend for SqliteBackend {
             .error_mix
             .sort_by(|a, b| b.count.cmp(&a.count).then(a.class.cmp(&b.class)));
 
+        // A key that completed in the window and, counting every completion the ledger
+        // holds (before the window too), more than once: the duplicate a retry after an
+        // incident makes shows the moment it happens.
         let dups = sqlx::query(AssertSqlSafe(format!(
-            "SELECT route, COUNT(*) FROM (SELECT MAX(route) AS route FROM requests \
-             WHERE {window} AND idempotency_key IS NOT NULL \
-             AND state IN ('api_completed', 'side_effect_pending', 'done') \
-             GROUP BY key_name, idempotency_key HAVING COUNT(*) > 1) GROUP BY route"
+            "SELECT route, COUNT(*) FROM (SELECT MAX(w.route) AS route, w.key_name AS k, w.idempotency_key AS i \
+             FROM requests w WHERE {window} AND w.idempotency_key IS NOT NULL \
+             AND w.state IN ('api_completed', 'side_effect_pending', 'done') GROUP BY w.key_name, w.idempotency_key) d \
+             WHERE (SELECT COUNT(*) FROM requests x WHERE x.key_name = d.k AND x.idempotency_key = d.i \
+             AND x.state IN ('api_completed', 'side_effect_pending', 'done')) > 1 GROUP BY route"
         )))
         .bind(&lo)
         .bind(&hi)
@@ -1878,7 +1949,8 @@ impl LedgerBackend for SqliteBackend {
 
     async fn overruns(&self, route: Option<&str>, from: UnixMs, to: UnixMs) -> Result<Vec<JobRecord>> {
         let rows = sqlx::query(AssertSqlSafe(format!(
-            "SELECT {list} FROM jobs WHERE expires_at >= ?1 AND expires_at < ?2 AND (?3 IS NULL OR route = ?3) \
+            "SELECT {list} FROM jobs WHERE expires_at >= ?1 AND expires_at < ?2 \
+             AND (?3 IS NULL OR COALESCE(route_override, route) = ?3) \
              AND ((state = 'dead_letter' AND updated_at >= expires_at) OR (state = 'succeeded' AND updated_at > expires_at)) \
              ORDER BY expires_at LIMIT 1000",
             list = *JOB_LIST_COLUMNS

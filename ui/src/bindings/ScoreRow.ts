@@ -14,15 +14,19 @@ requests: number,
  */
 attempts: number, 
 /**
- * Attempts per request that reached a provider; None without any.
+ * Attempts beyond each request's first.
+ */
+retries: number, 
+/**
+ * Attempts per request that reached a provider (F5); None without any.
  */
 amplification: number | null, 
 /**
- * Answered at the first attempt, of all requests.
+ * Answered, of all requests.
  */
 success_rate: number | null, 
 /**
- * Answered in the end, retries and failovers included, of all requests.
+ * Answered in the end, of the requests that were retried (F5); None without any.
  */
 post_retry_success_rate: number | null, succeeded: number, failed: number, p50_ms: number | null, p95_ms: number | null, wait_p50_ms: number | null, wait_p95_ms: number | null, error_mix: Array<ErrorCount>, 
 /**

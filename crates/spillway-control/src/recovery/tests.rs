@@ -311,6 +311,53 @@ fn o3_a_held_run_back_at_confirm_resumes_after_approvals() {
 }
 
 #[test]
+fn o3_a_held_run_whose_last_round_failed_does_not_resume_on_approval() {
+    // spec: O3
+    let mut r = resumed(0);
+    r.on_duplicates(1, 1).unwrap();
+    r.start_probes(None).unwrap();
+    for _ in 0..5 {
+        r.probe(ok(10.0), "ana", 2).unwrap();
+    }
+    r.on_duplicates(1, 3).unwrap();
+    assert!(r.held());
+    // Every probe answered, but too slowly: the round failed.
+    r.start_probes(Some(10.0)).unwrap();
+    for _ in 0..4 {
+        r.probe(ok(100.0), "ana", 4).unwrap();
+    }
+    assert!(r.probe(ok(100.0), "ana", 4).is_err());
+    // A held run cannot be cancelled by one person either.
+    assert_eq!(r.cancel("tired"), Err(RecoveryError::Held));
+    let at = |actor: &str, role| Approval {
+        actor: actor.into(),
+        role,
+        reason: "ok".into(),
+        at: 5,
+    };
+    r.approve(at("ana", ApprovalRole::BusinessOwner)).unwrap();
+    let c = r.approve(at("ben", ApprovalRole::PlatformOperations)).unwrap().unwrap();
+    assert_eq!((c.to, c.action), (RecoveryStep::Confirm, "approved"));
+    assert_eq!(r.step, RecoveryStep::Confirm);
+    assert!(r.gate().unwrap().share_pct == 0);
+}
+
+#[test]
+fn o2_the_breaker_opening_again_steps_back_and_a_restart_restarts_the_stage() {
+    // spec: O2
+    let mut r = resumed(0);
+    r.tick(STAGE).unwrap();
+    let c = r.on_breaker_open("25 of 50 failed", STAGE + 5).unwrap();
+    assert!(c.reason.contains("breaker opened again"), "{}", c.reason);
+    assert_eq!(r.stage_pct(), Some(25));
+    assert_eq!(run().on_breaker_open("x", 0), None);
+    // Down for an hour mid-stage: the stage is not passed unwatched.
+    r.restart_stage(10 * STAGE);
+    assert_eq!(r.tick(10 * STAGE + 1), None);
+    assert!(r.tick(11 * STAGE).is_some());
+}
+
+#[test]
 fn o4_closes_only_with_every_condition() {
     // spec: O4
     let mut r = resumed(0);
