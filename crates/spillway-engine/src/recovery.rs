@@ -772,14 +772,7 @@ async fn look(st: &AppState, r: &mut Run, slow: bool) -> bool {
         }
     }
     let rc = route_control(st, &r.route);
-    if r.incident.detected_at.is_none()
-        && let Some(rc) = &rc
-        && rc.state() != spillway_control::BreakerState::Closed
-    {
-        let v = rc.view("");
-        r.incident.detected_at = Some(UnixMs(now.0 - v.breaker.in_state_ms as i64));
-        changed = true;
-    }
+    changed |= detect(st, r, now);
     // The stage as it stood before anything moved it: the one a score is due for.
     let before = (r.machine.stage_pct(), r.machine.stage_started_at);
     let mut changes: Vec<Change> = Vec::new();
@@ -880,6 +873,23 @@ async fn look(st: &AppState, r: &mut Run, slow: bool) -> bool {
             false
         }
     }
+}
+
+/// O5: detection is the route's breaker opening: recorded the first time the run sees
+/// it not closed (at its opening, its isolation or a look). Whether it changed the run.
+fn detect(st: &AppState, r: &mut Run, now: UnixMs) -> bool {
+    if r.incident.detected_at.is_some() {
+        return false;
+    }
+    let Some(rc) = route_control(st, &r.route) else {
+        return false;
+    };
+    if rc.state() == spillway_control::BreakerState::Closed {
+        return false;
+    }
+    let v = rc.view("");
+    r.incident.detected_at = Some(UnixMs(now.0 - v.breaker.in_state_ms as i64));
+    true
 }
 
 /// O2: the route's projected cost for the day against its daily cap, when it has one:
@@ -1207,6 +1217,7 @@ async fn open(State(st): State<Arc<AppState>>, b: Bytes) -> Response {
         Some(d) => format!("drill ({}) opened: {reason}", d.label()),
         None => format!("opened: {reason}"),
     };
+    detect(&st, &mut run, now);
     let mut audit = vec![run.event(
         &actor,
         RecoveryStep::Isolate,
@@ -1576,6 +1587,22 @@ async fn view(st: &AppState, r: &Run) -> RecoveryView {
     }
 }
 
+/// Ends an action: saves the changed copy of the run with its audit entries, keeps it,
+/// and answers with the run as it now is (or, when the save failed, changes nothing).
+async fn commit(
+    st: &AppState,
+    mut guard: tokio::sync::OwnedMutexGuard<Run>,
+    run: Run,
+    audit: &[AuditEntry],
+) -> Response {
+    if let Err(r) = save(st, &run, audit).await {
+        return r;
+    }
+    let v = view(st, &run).await;
+    *guard = run;
+    Json(v).into_response()
+}
+
 /// Locks an open run for an action.
 async fn open_run(st: &AppState, id: &str) -> Result<tokio::sync::OwnedMutexGuard<Run>, Response> {
     let cell = st.recoveries.get(id).ok_or_else(|| not_found(id))?;
@@ -1606,7 +1633,7 @@ async fn isolate(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut guard = match open_run(&st, &id).await {
+    let guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -1641,6 +1668,7 @@ async fn isolate(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
     };
     run.split = Some(split);
     run.incident.stopped_at = Some(now);
+    detect(&st, &mut run, now);
     let mut c = c;
     c.figures = vec![
         ("succeeded".into(), row.succeeded as f64),
@@ -1648,11 +1676,7 @@ async fn isolate(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         ("unknown".into(), row.unknowns as f64),
     ];
     let a = run.record(&actor, &c);
-    if let Err(r) = save(&st, &run, &[a]).await {
-        return r;
-    }
-    *guard = run.clone();
-    Json(view(&st, &run).await).into_response()
+    commit(&st, guard, run, &[a]).await
 }
 
 /// O1: the evidence bundle: what happened on the route, every id that ties a request to
@@ -1735,7 +1759,7 @@ async fn preserve(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: By
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut guard = match open_run(&st, &id).await {
+    let guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -1770,11 +1794,7 @@ async fn preserve(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: By
     }
     run.evidence = Some(summary);
     let a = run.record(&actor, &c);
-    if let Err(r) = save(&st, &run, &[a]).await {
-        return r;
-    }
-    *guard = run.clone();
-    Json(view(&st, &run).await).into_response()
+    commit(&st, guard, run, &[a]).await
 }
 
 fn attachment(content_type: &str, name: &str, body: Bytes) -> Response {
@@ -1822,7 +1842,7 @@ async fn rollback(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: By
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut guard = match open_run(&st, &id).await {
+    let guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -1901,11 +1921,7 @@ async fn rollback(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: By
     };
     run.rollback = Some(done);
     let a = run.record(&actor, &c);
-    if let Err(r) = save(&st, &run, &[a]).await {
-        return r;
-    }
-    *guard = run.clone();
-    Json(view(&st, &run).await).into_response()
+    commit(&st, guard, run, &[a]).await
 }
 
 #[derive(Deserialize, Default)]
@@ -2002,7 +2018,7 @@ async fn probes(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byte
     let Some(router) = st.recoveries.router.get().cloned() else {
         return admin_error(StatusCode::SERVICE_UNAVAILABLE, "the gateway is still starting");
     };
-    let mut guard = match open_run(&st, &id).await {
+    let guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -2113,11 +2129,7 @@ async fn probes(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byte
             ));
         }
     }
-    if let Err(r) = save(&st, &run, &audit).await {
-        return r;
-    }
-    *guard = run.clone();
-    Json(view(&st, &run).await).into_response()
+    commit(&st, guard, run, &audit).await
 }
 
 /// The run resumes (its probes passed, or its approvals came in after they did): the
@@ -2187,7 +2199,7 @@ async fn approve(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         text_field(&f.reason, 500).unwrap_or_default(),
     );
     let role = f.role.unwrap_or(ApprovalRole::PlatformOperations);
-    let mut guard = match open_run(&st, &id).await {
+    let guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -2221,11 +2233,7 @@ async fn approve(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         }
         audit.push(run.record(&actor, &c));
     }
-    if let Err(r) = save(&st, &run, &audit).await {
-        return r;
-    }
-    *guard = run.clone();
-    Json(view(&st, &run).await).into_response()
+    commit(&st, guard, run, &audit).await
 }
 
 #[derive(Deserialize, Default)]
@@ -2249,7 +2257,7 @@ async fn explain(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut guard = match open_run(&st, &id).await {
+    let guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -2271,11 +2279,7 @@ async fn explain(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         &format!("{overrun}: {explanation}"),
         vec![],
     );
-    if let Err(r) = save(&st, &run, &[a]).await {
-        return r;
-    }
-    *guard = run.clone();
-    Json(view(&st, &run).await).into_response()
+    commit(&st, guard, run, &[a]).await
 }
 
 #[derive(Deserialize, Default)]
@@ -2296,7 +2300,7 @@ async fn close(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Bytes
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut guard = match open_run(&st, &id).await {
+    let guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -2321,6 +2325,7 @@ async fn close(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Bytes
         Ok(c) => c,
         Err(spillway_control::RecoveryError::NotClosable(m)) => {
             if save(&st, &run, &[]).await.is_ok() {
+                let mut guard = guard;
                 *guard = run.clone();
             }
             return (
@@ -2339,11 +2344,7 @@ async fn close(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Bytes
         ("spend_usd".into(), run.incident.spend_usd),
     ];
     let a = run.record(&actor, &c);
-    if let Err(r) = save(&st, &run, &[a]).await {
-        return r;
-    }
-    *guard = run.clone();
-    Json(view(&st, &run).await).into_response()
+    commit(&st, guard, run, &[a]).await
 }
 
 /// The run's end: the incident's figures fixed, the simulator put back (tried a few
@@ -2418,7 +2419,7 @@ async fn cancel(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byte
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut guard = match open_run(&st, &id).await {
+    let guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -2430,11 +2431,7 @@ async fn cancel(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byte
     let now = clock::now();
     finish(&st, &mut run, &actor, now).await;
     let a = run.record(&actor, &c);
-    if let Err(r) = save(&st, &run, &[a]).await {
-        return r;
-    }
-    *guard = run.clone();
-    Json(view(&st, &run).await).into_response()
+    commit(&st, guard, run, &[a]).await
 }
 
 async fn relapse(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Bytes) -> Response {
@@ -2446,7 +2443,7 @@ async fn relapse(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         Ok(v) => v,
         Err(r) => return r,
     };
-    let mut guard = match open_run(&st, &id).await {
+    let guard = match open_run(&st, &id).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -2477,11 +2474,7 @@ async fn relapse(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byt
         &what,
         vec![("relapse_ms".into(), ms as f64)],
     );
-    if let Err(r) = save(&st, &run, &[a]).await {
-        return r;
-    }
-    *guard = run.clone();
-    Json(view(&st, &run).await).into_response()
+    commit(&st, guard, run, &[a]).await
 }
 
 // ---------------------------------------------------------------------------------------
