@@ -125,6 +125,34 @@ impl Drop for GateSlot {
     }
 }
 
+/// O1: a recovery run's gate, when one holds the route: paused, or a place among the
+/// share of its concurrency the run allows, as the gate's `(epoch, stage epoch)` (`None`
+/// when no run holds the route).
+fn enter_gate(i: &mut RouteInner) -> Result<Option<(u64, u64)>, Held> {
+    let Some(g) = &mut i.gate else {
+        return Ok(None);
+    };
+    if g.share_pct == 0 {
+        return Err(Held {
+            run: g.run.to_string(),
+            reason: "the route is isolated while it recovers".into(),
+            paused: true,
+        });
+    }
+    if g.in_flight >= g.cap {
+        return Err(Held {
+            run: g.run.to_string(),
+            reason: format!(
+                "resuming at {} % of its concurrency: {} of {} in flight",
+                g.share_pct, g.in_flight, g.cap
+            ),
+            paused: false,
+        });
+    }
+    g.in_flight += 1;
+    Ok(Some((g.epoch, g.stage_epoch)))
+}
+
 /// Why a recovery run's gate refused a request.
 #[derive(Debug)]
 pub struct Held {
@@ -174,11 +202,17 @@ impl Drop for Probe {
     }
 }
 
-/// What ingress does with a request, per its route's breaker.
+/// What ingress does with a request, per its route's recovery gate and breaker. A
+/// request let through a recovery run's gate holds its place (`GateSlot`) until it ends.
 pub enum Admit {
-    Send,
-    Probe(Probe),
-    Refuse { retry_after: Duration, reason: String },
+    Send(Option<GateSlot>),
+    Probe(Probe, Option<GateSlot>),
+    Refuse {
+        retry_after: Duration,
+        reason: String,
+    },
+    /// O1: a recovery run holds the route: isolated, or its share is in use.
+    Held(Held),
 }
 
 impl RouteControl {
@@ -203,12 +237,17 @@ impl RouteControl {
         Some(t)
     }
 
-    /// G2, G3: whether the request may go out.
+    /// O1, G2, G3: whether the request may go out: a recovery run's gate first (it, not
+    /// the breaker, decides while it holds the route), then the breaker; one lock for both.
     pub fn admit(self: &Arc<Self>, st: &AppState) -> Admit {
         let now = Instant::now();
 
-        let (a, moved) = self.with(|i| {
+        let (a, place, moved) = self.with(|i| {
             i.last_used = now;
+            let place = match enter_gate(i) {
+                Ok(p) => p,
+                Err(h) => return (Err(h), None, None),
+            };
             // G1: a cost-opened breaker waits for its last hour to cool before probation.
             if i.breaker.cost_probation_due(now)
                 && let Some((hour, budget)) = st.accounts.route_hour(&self.name, crate::clock::now())
@@ -218,56 +257,39 @@ impl RouteControl {
                     .postpone_probation(now + Duration::from_secs(60), hour, budget);
             }
             let (a, t) = i.breaker.admit(now);
-            if !matches!(a, Admission::Refuse { .. }) {
+            if matches!(a, Admission::Refuse { .. }) {
+                // Refused after all: the gate's place goes back.
+                if place.is_some()
+                    && let Some(g) = &mut i.gate
+                {
+                    g.in_flight = g.in_flight.saturating_sub(1);
+                }
+            } else {
                 i.budget.request(now);
             }
-            (a, self.saved(st, i, t, "gateway", None))
+            (Ok(a), place, self.saved(st, i, t, "gateway", None))
         });
         if let Some(t) = moved {
             st.control.announce(st, &self.name, &t);
         }
+        let slot = place.map(|(epoch, stage_epoch)| GateSlot {
+            route: self.clone(),
+            epoch,
+            stage_epoch,
+        });
         match a {
-            Admission::Send => Admit::Send,
-            Admission::Probe(id) => Admit::Probe(Probe {
-                route: self.clone(),
-                id,
-                done: false,
-            }),
-            Admission::Refuse { retry_after, reason } => Admit::Refuse { retry_after, reason },
+            Err(held) => Admit::Held(held),
+            Ok(Admission::Send) => Admit::Send(slot),
+            Ok(Admission::Probe(id)) => Admit::Probe(
+                Probe {
+                    route: self.clone(),
+                    id,
+                    done: false,
+                },
+                slot,
+            ),
+            Ok(Admission::Refuse { retry_after, reason }) => Admit::Refuse { retry_after, reason },
         }
-    }
-
-    /// O1: a recovery run's gate, when one holds the route: paused, or a place among
-    /// the share of its concurrency the run allows (`None` when no run holds it).
-    pub fn enter_gate(self: &Arc<Self>) -> Result<Option<GateSlot>, Held> {
-        self.with(|i| {
-            let Some(g) = &mut i.gate else {
-                return Ok(None);
-            };
-            if g.share_pct == 0 {
-                return Err(Held {
-                    run: g.run.to_string(),
-                    reason: "the route is isolated while it recovers".into(),
-                    paused: true,
-                });
-            }
-            if g.in_flight >= g.cap {
-                return Err(Held {
-                    run: g.run.to_string(),
-                    reason: format!(
-                        "resuming at {} % of its concurrency: {} of {} in flight",
-                        g.share_pct, g.in_flight, g.cap
-                    ),
-                    paused: false,
-                });
-            }
-            g.in_flight += 1;
-            Ok(Some(GateSlot {
-                route: self.clone(),
-                epoch: g.epoch,
-                stage_epoch: g.stage_epoch,
-            }))
-        })
     }
 
     /// O1: sets (or lifts, with `None`) a recovery run's hold: `(run, share %, cap, jobs held)`.

@@ -560,28 +560,22 @@ async fn handle<C: Caller>(
     }
     let route = st.control.route(&st, format, &parsed.model);
     // O1: a recovery run holding the route lets through only its own probes and, while
-    // resuming, its share of the route's concurrency; the run decides, not the breaker.
-    let gate_slot = match bypass {
-        true => None,
-        false => match route.enter_gate() {
-            Ok(slot) => slot,
-            Err(held) => {
-                let e = GatewayError::RecoveryHold {
-                    route: route.name.clone(),
-                    run: held.run,
-                    reason: held.reason,
-                    // Isolation lasts minutes; a full share frees within seconds.
-                    retry_after_s: if held.paused { 30 } else { 2 },
-                };
-                return life.close(End::refused(e)).await;
-            }
-        },
-    };
-    // G2: an open breaker sends nothing; on probation, one probe at a time.
-    let admission = if bypass { Admit::Send } else { route.admit(&st) };
-    let probe = match admission {
-        Admit::Send => None,
-        Admit::Probe(p) => Some(p),
+    // resuming, its share of the route's concurrency. G2: an open breaker sends nothing;
+    // on probation, one probe at a time.
+    let admission = if bypass { Admit::Send(None) } else { route.admit(&st) };
+    let (probe, gate_slot) = match admission {
+        Admit::Send(slot) => (None, slot),
+        Admit::Probe(p, slot) => (Some(p), slot),
+        Admit::Held(held) => {
+            let e = GatewayError::RecoveryHold {
+                route: route.name.clone(),
+                run: held.run,
+                reason: held.reason,
+                // Isolation lasts minutes; a full share frees within seconds.
+                retry_after_s: if held.paused { 30 } else { 2 },
+            };
+            return life.close(End::refused(e)).await;
+        }
         Admit::Refuse { retry_after, reason } => {
             let e = GatewayError::BreakerOpen {
                 route: route.name.clone(),

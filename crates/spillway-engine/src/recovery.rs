@@ -53,7 +53,6 @@ const SLOW_CHECK: Duration = Duration::from_secs(2);
 #[derive(Clone)]
 pub struct ProbeRun {
     pub key: Arc<KeyRt>,
-    pub run: String,
     pub bypass: bool,
 }
 
@@ -1356,16 +1355,11 @@ fn drill_load(st: &Arc<AppState>, cell: Arc<tokio::sync::Mutex<Run>>, route: Str
                 continue;
             };
             n += 1;
-            let id = { cell.try_lock().map(|r| r.id.clone()).unwrap_or_default() };
             let Some(mut req) = synthetic_request(&route, "Spillway drill traffic.", None, &format!("drill-{n}"))
             else {
                 return;
             };
-            req.extensions_mut().insert(ProbeRun {
-                key: k,
-                run: id,
-                bypass: false,
-            });
+            req.extensions_mut().insert(ProbeRun { key: k, bypass: false });
             let router = router.clone();
             tokio::spawn(async move {
                 use tower::ServiceExt;
@@ -1553,9 +1547,7 @@ async fn view(st: &AppState, r: &Run) -> RecoveryView {
         stage_ms: m.cfg.stage_ms as u64,
         stage_started_at: m.stage_started_at.map(UnixMs),
         concurrency_pct: gate.map_or(100, |g| g.share_pct),
-        concurrency_cap: gate
-            .map(|g| cap_at(g.share_pct, total))
-            .filter(|_| gate.is_some_and(|g| g.share_pct > 0)),
+        concurrency_cap: gate.filter(|g| g.share_pct > 0).map(|g| cap_at(g.share_pct, total)),
         route_concurrency: total,
         retries_on: gate.is_none(),
         stops: m.stops,
@@ -2040,7 +2032,6 @@ async fn probes(State(st): State<Arc<AppState>>, Path(id): Path<String>, b: Byte
         };
         req.extensions_mut().insert(ProbeRun {
             key: key.clone(),
-            run: run.id.clone(),
             bypass: true,
         });
         let t0 = Instant::now();

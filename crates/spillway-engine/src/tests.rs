@@ -447,9 +447,10 @@ async fn request(st: &Arc<AppState>) -> (Life, Ctx, Admitted) {
     let candidates = routing::candidates(st, Format::OpenAi, "m", None);
     let route = st.control.route(st, Format::OpenAi, "m");
     let probe = match route.admit(st) {
-        Admit::Send => None,
-        Admit::Probe(p) => Some(p),
+        Admit::Send(_) => None,
+        Admit::Probe(p, _) => Some(p),
         Admit::Refuse { reason, .. } => panic!("refused by the breaker: {reason}"),
+        Admit::Held(h) => panic!("held by a recovery run: {}", h.reason),
     };
     life.set_control(route.clone());
     let admitted = routing::admit(&candidates, 1, &[], Duration::from_secs(10), life.wait_guard())
@@ -996,7 +997,7 @@ async fn d5_a_dead_single_channel_is_ejected_and_stops_receiving_attempts() {
     assert_eq!((v.back_in_ms, v.ejections), (Some(30_000), 1));
     // Now requests are refused before any attempt, fast, with the cool-down as retry-after.
     let route = st.control.route(&st, Format::OpenAi, "m");
-    assert!(matches!(route.admit(&st), Admit::Send));
+    assert!(matches!(route.admit(&st), Admit::Send(None)));
     let c = routing::candidates(&st, Format::OpenAi, "m", None);
     match routing::admit(&c, 1, &[], Duration::from_secs(10), || Ok(routing::WaitGuard(None))).await {
         Err(e @ crate::error::GatewayError::ChannelsCoolingDown { .. }) => {
@@ -1080,7 +1081,7 @@ async fn g1_g2_g3_a_failing_route_opens_fails_fast_and_closes_after_probation() 
         assert_eq!(life.close(end).await.status(), 200);
     }
     assert_eq!(route.state(), spillway_control::BreakerState::Closed);
-    assert!(matches!(route.admit(&st), Admit::Send));
+    assert!(matches!(route.admit(&st), Admit::Send(None)));
     // Every transition is on the record, with its figures.
     tokio::time::sleep(Duration::from_millis(10)).await;
     let actions: Vec<String> = mem
@@ -1163,7 +1164,7 @@ async fn client_named_models_cannot_take_the_breaker_table_for_good() {
     let (st, _) = state_with(config("", &[("a", 4)]));
     for i in 0..300 {
         let r = st.control.route(&st, Format::OpenAi, &format!("made-up-{i}"));
-        assert!(matches!(r.admit(&st), Admit::Send));
+        assert!(matches!(r.admit(&st), Admit::Send(None)));
     }
     // The table is full: newcomers share one breaker, and an operator cannot force it.
     assert_eq!(
@@ -2159,16 +2160,21 @@ async fn o1_the_gate_pauses_caps_and_frees_only_its_own_places() {
     // spec: O1, O2
     let (st, _) = state_with(config("", &[("a", 64)]));
     let route = st.control.route(&st, Format::OpenAi, "m");
-    assert!(route.enter_gate().unwrap().is_none(), "no run: no gate");
+    let enter = || match route.admit(&st) {
+        Admit::Send(slot) => Ok(slot),
+        Admit::Held(h) => Err(h),
+        _ => panic!("the breaker is closed: only the gate decides here"),
+    };
+    assert!(enter().unwrap().is_none(), "no run: no gate");
     // Isolated: refused, retries and jobs held.
     route.set_gate(Some(("run-a", 0, 1, true)));
-    let held = route.enter_gate().err().unwrap();
+    let held = enter().err().unwrap();
     assert!(held.paused && held.run == "run-a");
     assert!(route.retries_held() && route.jobs_held());
     // Resuming with one place: the second request waits for the first.
     route.set_gate(Some(("run-a", 25, 1, true)));
-    let first = route.enter_gate().ok().flatten().unwrap();
-    let full = route.enter_gate().err().unwrap();
+    let first = enter().ok().flatten().unwrap();
+    let full = enter().err().unwrap();
     assert!(
         !full.paused && full.reason.contains("1 of 1 in flight"),
         "{}",
@@ -2184,14 +2190,11 @@ async fn o1_the_gate_pauses_caps_and_frees_only_its_own_places() {
     // Another run's gate: the first run's place, freed late, frees nothing of it.
     route.set_gate(None);
     route.set_gate(Some(("run-b", 25, 1, true)));
-    let second = route.enter_gate().unwrap().unwrap();
+    let second = enter().unwrap().unwrap();
     drop(first);
-    assert!(
-        route.enter_gate().is_err(),
-        "an old run's slot freed a place of the new run"
-    );
+    assert!(enter().is_err(), "an old run's slot freed a place of the new run");
     drop(second);
-    assert!(route.enter_gate().unwrap().is_some());
+    assert!(enter().unwrap().is_some());
     route.set_gate(None);
     assert!(!route.retries_held() && !route.jobs_held());
 }

@@ -17,6 +17,15 @@ fn ok(ms: f64) -> ProbeResult {
     }
 }
 
+fn approval(actor: &str, role: ApprovalRole, at: i64) -> Approval {
+    Approval {
+        actor: actor.into(),
+        role,
+        reason: "the provider confirms the fix".into(),
+        at,
+    }
+}
+
 /// A run walked to the 25 % stage at `t`.
 fn resumed(t: i64) -> Recovery {
     let mut r = run();
@@ -246,12 +255,7 @@ fn o3_second_stop_holds_until_two_people_in_both_roles_approve() {
     assert_eq!(r.stage_pct(), Some(25));
     // Held: the stage does not advance however long it runs.
     assert_eq!(r.tick(10 * STAGE), None);
-    let approve = |actor: &str, role| Approval {
-        actor: actor.into(),
-        role,
-        reason: "fixed upstream".into(),
-        at: 10 * STAGE,
-    };
+    let approve = |actor: &str, role| approval(actor, role, 10 * STAGE);
     assert_eq!(r.approve(approve("ana", ApprovalRole::PlatformOperations)), Ok(None));
     assert!(r.held());
     // The same person cannot give the second approval, nor a role be given twice.
@@ -299,14 +303,11 @@ fn o3_a_held_run_back_at_confirm_resumes_after_approvals() {
         assert_eq!(r.probe(ok(10.0), "ana", 4), Ok(None));
     }
     assert_eq!(r.step, RecoveryStep::Confirm);
-    let at = |actor: &str, role| Approval {
-        actor: actor.into(),
-        role,
-        reason: "ok".into(),
-        at: 5,
-    };
-    r.approve(at("ana", ApprovalRole::BusinessOwner)).unwrap();
-    let c = r.approve(at("ben", ApprovalRole::PlatformOperations)).unwrap().unwrap();
+    r.approve(approval("ana", ApprovalRole::BusinessOwner, 5)).unwrap();
+    let c = r
+        .approve(approval("ben", ApprovalRole::PlatformOperations, 5))
+        .unwrap()
+        .unwrap();
     assert_eq!((c.to, r.stage_pct()), (RecoveryStep::Resume, Some(25)));
 }
 
@@ -329,14 +330,11 @@ fn o3_a_held_run_whose_last_round_failed_does_not_resume_on_approval() {
     assert!(r.probe(ok(100.0), "ana", 4).is_err());
     // A held run cannot be cancelled by one person either.
     assert_eq!(r.cancel("tired"), Err(RecoveryError::Held));
-    let at = |actor: &str, role| Approval {
-        actor: actor.into(),
-        role,
-        reason: "ok".into(),
-        at: 5,
-    };
-    r.approve(at("ana", ApprovalRole::BusinessOwner)).unwrap();
-    let c = r.approve(at("ben", ApprovalRole::PlatformOperations)).unwrap().unwrap();
+    r.approve(approval("ana", ApprovalRole::BusinessOwner, 5)).unwrap();
+    let c = r
+        .approve(approval("ben", ApprovalRole::PlatformOperations, 5))
+        .unwrap()
+        .unwrap();
     assert_eq!((c.to, c.action), (RecoveryStep::Confirm, "approved"));
     assert_eq!(r.step, RecoveryStep::Confirm);
     assert!(r.gate().unwrap().share_pct == 0);
