@@ -1,27 +1,34 @@
 //! The request ledger (I1, I3): every logical request and every upstream attempt, in a
-//! store behind [`LedgerBackend`] (SQLite now; PostgreSQL can implement the same trait).
+//! store behind [`LedgerBackend`]: SQLite for one gateway, PostgreSQL for a fleet (R1).
 //!
 //! Writes go through one writer task that group-commits whatever is queued (one
 //! transaction, multi-row upserts), so the ledger keeps up with thousands of requests per
 //! second on two cores. A write that must be durable before the gateway proceeds (a
 //! request entering `calling_api`) waits for the commit that carries it. One process
-//! writes a ledger: a lock file beside it keeps a second instance out.
+//! writes a SQLite ledger: a lock file beside it keeps a second instance out. Several
+//! instances share a PostgreSQL ledger, each stamping the request rows it writes.
 
 mod accounts;
 mod control;
+mod fleet;
 mod idem;
 mod jobs;
 mod lock;
+mod postgres;
 mod record;
 mod recovery;
 mod sqlite;
+#[cfg(test)]
+mod testdb;
 mod writer;
 
 pub use accounts::{Accounts, BalanceEntry, CostCell, KeySpend, SpendRow, StoredKey};
 pub use control::{AuditEntry, ControlState};
+pub use fleet::{InstanceRow, TakeOver};
 pub use idem::{KeyedRequest, LedgerFigures, Payload, PruneReport, Reconcile, RouteCount, SideEffect, StoredResponse};
 pub use jobs::{JobRecord, PolicyVersion};
 pub use lock::LedgerLock;
+pub use postgres::PgBackend;
 pub use record::{
     AttemptRecord, Decision, FailureClass, GatewayClass, MAX_MESSAGE, Page, Reconciliation, RequestRecord,
     RequestState, Resolution, Search, StopReason, truncate,
@@ -51,6 +58,10 @@ pub enum Error {
         "the ledger {path} is in use by another Spillway instance ({holder}); stop it first, or give this one its own ledger (--ledger)"
     )]
     Locked { path: String, holder: String },
+    #[error(
+        "the instance name `{name}` is in use by a live gateway ({listen}, heartbeat {age_ms} ms ago); give this one its own name (fleet.instance or --instance)"
+    )]
+    InstanceInUse { name: String, listen: String, age_ms: i64 },
     #[error("cannot lock the ledger {path}: {source}")]
     Lock { path: String, source: std::io::Error },
     #[error("ledger row is corrupt: {0}")]
@@ -235,6 +246,57 @@ pub trait LedgerBackend: Send + Sync + 'static {
     /// and that missed it: dead-lettered, or answered after it (no bodies).
     async fn overruns(&self, _route: Option<&str>, _from: UnixMs, _to: UnixMs) -> Result<Vec<JobRecord>> {
         Ok(Vec::new())
+    }
+    /// R1: upserts the instance's row (its heartbeat and load) and extends every job lease
+    /// it holds to `lease_until`.
+    async fn heartbeat(&self, _row: &InstanceRow, _lease_until: UnixMs) -> Result<()> {
+        Err(Error::Unavailable("this store keeps no instances".into()))
+    }
+    /// R1: every instance the ledger has seen, live ones first, then by name.
+    async fn instances(&self) -> Result<Vec<InstanceRow>> {
+        Ok(Vec::new())
+    }
+    /// R1, I4: takes over each instance other than `by` whose heartbeat is older than
+    /// `stale_before` and that has not stopped: in one transaction per instance, its
+    /// requests left in `calling_api` become `unknown`, its job leases are released and it
+    /// is marked stopped, taken over by `by`. Survivors racing for one instance: exactly
+    /// one takes it.
+    async fn take_over(&self, _by: &str, _stale_before: UnixMs, _at: UnixMs) -> Result<Vec<TakeOver>> {
+        Ok(Vec::new())
+    }
+    /// R1: marks the instance stopped (a clean shutdown), releasing its job leases.
+    async fn instance_stopped(&self, _id: &str, _at: UnixMs) -> Result<()> {
+        Ok(())
+    }
+    /// R1: leases job `id` to `instance` until `until` when it is `queued`, due
+    /// (`ready_at <= now`) and not leased to another instance (or that lease expired);
+    /// returns the job's whole row (body included) when this instance now holds it.
+    /// A save that takes the job out of `running` releases the lease.
+    async fn lease_job(&self, _id: &str, _instance: &str, _now: UnixMs, _until: UnixMs) -> Result<Option<JobRecord>> {
+        Err(Error::Unavailable("this store leases no jobs".into()))
+    }
+    /// R1: jobs changed at or after `since` (no bodies), oldest change first: what other
+    /// instances did to the queue.
+    async fn jobs_changed_since(&self, _since: UnixMs) -> Result<Vec<JobRecord>> {
+        Ok(Vec::new())
+    }
+    /// I2 across a fleet: claims `idempotency_key` of gateway key `key_name` for
+    /// `request_id`, run by the store's own instance. None when claimed now; Some(holder
+    /// request id) when another request holds it and is still in flight (its row is not
+    /// finished and its instance is alive). A claim whose request finished, or whose
+    /// instance stopped, is taken over.
+    async fn claim_key(
+        &self,
+        _key_name: &str,
+        _idempotency_key: &str,
+        _request_id: &str,
+        _at: UnixMs,
+    ) -> Result<Option<String>> {
+        Ok(None)
+    }
+    /// Drops the claim `request_id` holds (its final record is committed).
+    async fn release_key(&self, _key_name: &str, _idempotency_key: &str, _request_id: &str) -> Result<()> {
+        Ok(())
     }
     /// Housekeeping the writer must not pay for on its commits (WAL checkpoints).
     /// Returns how many pages (WAL frames) it folded back into the database.

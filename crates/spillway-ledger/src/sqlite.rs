@@ -13,15 +13,17 @@
 use crate::jobs::JOB_COLUMNS;
 use crate::{
     Accounts, AttemptRecord, AuditEntry, BalanceEntry, ControlState, CostCell, DayFigures, Decision, Error, ErrorCount,
-    FailureClass, JobRecord, KeySpend, KeyedRequest, LedgerBackend, LedgerFigures, LedgerLock, Page, Payload,
-    PolicyVersion, PruneReport, Reconcile, Reconciliation, RecoveryRow, RequestRecord, RequestState, Result,
-    RouteCount, ScoreRow, Search, SideEffect, SpendRow, StopReason, StoredKey, StoredResponse,
+    FailureClass, InstanceRow, JobRecord, KeySpend, KeyedRequest, LedgerBackend, LedgerFigures, LedgerLock, Page,
+    Payload, PolicyVersion, PruneReport, Reconcile, Reconciliation, RecoveryRow, RequestRecord, RequestState, Result,
+    RouteCount, ScoreRow, Search, SideEffect, SpendRow, StopReason, StoredKey, StoredResponse, TakeOver,
 };
 use async_trait::async_trait;
 use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
 use sqlx::query_builder::Separated;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
-use sqlx::{AssertSqlSafe, Connection, QueryBuilder, Row, Sqlite, SqliteConnection, SqlitePool};
+use sqlx::{
+    AssertSqlSafe, ColumnIndex, Connection, Decode, QueryBuilder, Row, Sqlite, SqliteConnection, SqlitePool, Type,
+};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::LazyLock;
@@ -63,7 +65,7 @@ fn size_class(rows: usize) -> usize {
     }
 }
 
-const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request_id, key_name, owner, workflow, \
+pub(crate) const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request_id, key_name, owner, workflow, \
     format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
     error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
     admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at, \
@@ -72,7 +74,7 @@ const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request
 
 /// Columns the request path never writes (the side-effect step and reconciliation set
 /// them through their own statements); read with the rest.
-const REQUEST_READ_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request_id, key_name, owner, workflow, \
+pub(crate) const REQUEST_READ_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request_id, key_name, owner, workflow, \
     format, endpoint, route, channel, requested_model, served_model, stream, state, http_status, error_class, \
     error_message, input_tokens, output_tokens, cached_input_tokens, reasoning_tokens, cost_usd, received_at, \
     admitted_at, first_token_at, finished_at, queued_ms, attempts, body_sha256, partial_output_committed, next_ready_at, \
@@ -94,7 +96,7 @@ const IMMUTABLE_REQUEST_COLUMNS: &[&str] = &[
 ];
 
 /// A state's place on the I3 path, in SQL (see [`RequestState::rank`]).
-fn rank_sql(column: &str) -> String {
+pub(crate) fn rank_sql(column: &str) -> String {
     let arms: String = RequestState::ALL
         .iter()
         .map(|s| format!(" WHEN '{}' THEN {}", s.as_str(), s.rank()))
@@ -102,7 +104,7 @@ fn rank_sql(column: &str) -> String {
     format!("(CASE {column}{arms} ELSE 0 END)")
 }
 
-static REQUEST_UPSERT: LazyLock<String> = LazyLock::new(|| {
+pub(crate) static REQUEST_UPSERT: LazyLock<String> = LazyLock::new(|| {
     let sets: Vec<String> = REQUEST_COLUMNS
         .split(',')
         .map(str::trim)
@@ -120,7 +122,7 @@ static REQUEST_UPSERT: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-const ATTEMPT_COLUMNS: &str = "request_id, attempt_no, channel, upstream_request_id, http_status, error_class, \
+pub(crate) const ATTEMPT_COLUMNS: &str = "request_id, attempt_no, channel, upstream_request_id, http_status, error_class, \
     provider_error_type, retry_after_ms, message, started_at, first_byte_at, finished_at, input_tokens, output_tokens, \
     decision, decision_reason, delay_ms, ready_at, visibility, cost_usd";
 
@@ -150,7 +152,7 @@ pub struct SqliteBackend {
     path: PathBuf,
 }
 
-fn i(v: Option<u64>) -> Option<i64> {
+pub(crate) fn i(v: Option<u64>) -> Option<i64> {
     v.map(|v| v.min(i64::MAX as u64) as i64)
 }
 
@@ -262,11 +264,21 @@ impl SqliteBackend {
     }
 }
 
-fn ms(v: Option<i64>) -> Option<UnixMs> {
+pub(crate) fn ms(v: Option<i64>) -> Option<UnixMs> {
     v.map(UnixMs)
 }
 
-fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
+/// A request row of either store: both decode to the same Rust types (integers `i64`,
+/// flags `bool`, reals `f64`), so one decoder serves SQLite and PostgreSQL.
+pub(crate) fn request_from_row<'r, R>(r: &'r R) -> Result<RequestRecord>
+where
+    R: Row,
+    &'r str: ColumnIndex<R>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    f64: Decode<'r, R::Database> + Type<R::Database>,
+    bool: Decode<'r, R::Database> + Type<R::Database>,
+{
     let state: String = r.try_get("state")?;
     let format: String = r.try_get("format")?;
     Ok(RequestRecord {
@@ -332,7 +344,14 @@ fn request_from_row(r: &SqliteRow) -> Result<RequestRecord> {
     })
 }
 
-fn attempt_from_row(r: &SqliteRow) -> Result<AttemptRecord> {
+pub(crate) fn attempt_from_row<'r, R>(r: &'r R) -> Result<AttemptRecord>
+where
+    R: Row,
+    &'r str: ColumnIndex<R>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    f64: Decode<'r, R::Database> + Type<R::Database>,
+{
     Ok(AttemptRecord {
         request_id: r.try_get("request_id")?,
         attempt_no: r.try_get::<i64, _>("attempt_no")? as u32,
@@ -370,10 +389,10 @@ enum BatchRow<'a> {
     Payload(&'a Payload),
 }
 
-const PAYLOAD_COLUMNS: &str =
+pub(crate) const PAYLOAD_COLUMNS: &str =
     "request_id, expires_at, request_body, response_status, response_content_type, response_body";
 
-fn columns(list: &str) -> impl Iterator<Item = &str> {
+pub(crate) fn columns(list: &str) -> impl Iterator<Item = &str> {
     list.split(',').map(str::trim)
 }
 
@@ -528,13 +547,13 @@ fn bind_attempt(b: &mut Separated<'_, Sqlite, &'static str>, a: &AttemptRecord) 
 }
 
 /// The smallest UUIDv7 string of millisecond `ms`: ids compare as strings in time order.
-fn uuid_floor(at: UnixMs) -> String {
+pub(crate) fn uuid_floor(at: UnixMs) -> String {
     let ms = at.0.clamp(0, (1 << 48) - 1) as u64;
     format!("{:08x}-{:04x}-0000-0000-000000000000", ms >> 16, ms & 0xffff)
 }
 
 /// 32 hex digits (a trace id) in UUID form, to look a gateway-made trace id up by key.
-fn hex_to_uuid(s: &str) -> Option<String> {
+pub(crate) fn hex_to_uuid(s: &str) -> Option<String> {
     if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
@@ -590,7 +609,7 @@ async fn insert_audit(tx: &mut sqlx::Transaction<'_, Sqlite>, audit: &AuditEntry
 }
 
 /// The job columns for listings: the body and result stay on disk.
-static JOB_LIST_COLUMNS: LazyLock<String> = LazyLock::new(|| {
+pub(crate) static JOB_LIST_COLUMNS: LazyLock<String> = LazyLock::new(|| {
     columns(JOB_COLUMNS)
         .map(|c| {
             if c == "body" || c == "result" {
@@ -603,11 +622,11 @@ static JOB_LIST_COLUMNS: LazyLock<String> = LazyLock::new(|| {
         .join(", ")
 });
 
-/// A job's row, inserted or replaced; a save without a body or result keeps the stored one.
-async fn upsert_job(tx: &mut sqlx::Transaction<'_, Sqlite>, j: &JobRecord) -> Result<()> {
-    let request_ids = serde_json::to_string(&j.request_ids).map_err(|e| Error::Corrupt(e.to_string()))?;
-    let n = columns(JOB_COLUMNS).count();
-    let marks = vec!["?"; n].join(", ");
+/// The conflict clause of a job save, the same text in SQLite and PostgreSQL. A save
+/// without a body or result keeps the stored one. R1: a copy older than the stored row
+/// (another instance saved the job since) changes nothing, and a save that takes the job
+/// out of `running` releases its lease.
+pub(crate) static JOB_UPSERT: LazyLock<String> = LazyLock::new(|| {
     let keep = ["body", "result"];
     let set = columns(JOB_COLUMNS)
         .filter(|c| *c != "id")
@@ -620,8 +639,22 @@ async fn upsert_job(tx: &mut sqlx::Transaction<'_, Sqlite>, j: &JobRecord) -> Re
         })
         .collect::<Vec<_>>()
         .join(", ");
+    format!(
+        " ON CONFLICT (id) DO UPDATE SET {set}, \
+         lease_owner = CASE WHEN excluded.state = 'running' THEN jobs.lease_owner ELSE NULL END, \
+         lease_until = CASE WHEN excluded.state = 'running' THEN jobs.lease_until ELSE NULL END \
+         WHERE jobs.updated_at <= excluded.updated_at"
+    )
+});
+
+/// A job's row, inserted or replaced (see [`JOB_UPSERT`]).
+async fn upsert_job(tx: &mut sqlx::Transaction<'_, Sqlite>, j: &JobRecord) -> Result<()> {
+    let request_ids = serde_json::to_string(&j.request_ids).map_err(|e| Error::Corrupt(e.to_string()))?;
+    let n = columns(JOB_COLUMNS).count();
+    let marks = vec!["?"; n].join(", ");
     sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({marks}) ON CONFLICT (id) DO UPDATE SET {set}"
+        "INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({marks}){upsert}",
+        upsert = *JOB_UPSERT
     )))
     .bind(&j.id)
     .bind(&j.key_name)
@@ -675,9 +708,18 @@ async fn upsert_job(tx: &mut sqlx::Transaction<'_, Sqlite>, j: &JobRecord) -> Re
     Ok(())
 }
 
-fn job_from_row(r: &SqliteRow, with_blobs: bool) -> Result<JobRecord> {
+pub(crate) fn job_from_row<'r, R>(r: &'r R, with_blobs: bool) -> Result<JobRecord>
+where
+    R: Row,
+    &'r str: ColumnIndex<R>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    f64: Decode<'r, R::Database> + Type<R::Database>,
+    bool: Decode<'r, R::Database> + Type<R::Database>,
+    Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+{
     let ids: String = r.try_get("request_ids")?;
-    let blob = |c: &str| -> Result<Option<Vec<u8>>> { if with_blobs { Ok(r.try_get(c)?) } else { Ok(None) } };
+    let blob = |c: &'r str| -> Result<Option<Vec<u8>>> { if with_blobs { Ok(r.try_get(c)?) } else { Ok(None) } };
     Ok(JobRecord {
         id: r.try_get("id")?,
         key_name: r.try_get("key_name")?,
@@ -726,6 +768,36 @@ fn job_from_row(r: &SqliteRow, with_blobs: bool) -> Result<JobRecord> {
         replayed_by: r.try_get("replayed_by")?,
         replay: r.try_get("replay")?,
         batch_id: r.try_get("batch_id")?,
+    })
+}
+
+/// R1: an instance's row, as `instances()` reads it.
+pub(crate) const INSTANCE_COLUMNS: &str =
+    "id, boot, listen, version, started_at, heartbeat_at, stopped_at, taken_over_by, unknowns, load";
+
+/// R1: why a taken-over instance's in-flight request is `unknown`.
+pub(crate) fn taken_over_message(instance: &str) -> String {
+    format!("the gateway instance {instance} stopped while this request was calling the provider")
+}
+
+pub(crate) fn instance_from_row<'r, R>(r: &'r R) -> Result<InstanceRow>
+where
+    R: Row,
+    &'r str: ColumnIndex<R>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(InstanceRow {
+        id: r.try_get("id")?,
+        boot: r.try_get("boot")?,
+        listen: r.try_get("listen")?,
+        version: r.try_get("version")?,
+        started_at: UnixMs(r.try_get("started_at")?),
+        heartbeat_at: UnixMs(r.try_get("heartbeat_at")?),
+        stopped_at: ms(r.try_get("stopped_at")?),
+        taken_over_by: r.try_get("taken_over_by")?,
+        unknowns: r.try_get::<i64, _>("unknowns")?.max(0) as u64,
+        load: r.try_get("load")?,
     })
 }
 
@@ -1999,6 +2071,161 @@ impl LedgerBackend for SqliteBackend {
                 })
             })
             .collect()
+    }
+
+    async fn heartbeat(&self, row: &InstanceRow, lease_until: UnixMs) -> Result<()> {
+        let mut w = self.writable().await?;
+        let mut tx = w.0.begin().await?;
+        // A heartbeat means the instance is alive: a restarted one that was marked stopped
+        // (or taken over) is live again.
+        sqlx::query(
+            "INSERT INTO instances (id, boot, listen, version, started_at, heartbeat_at, stopped_at, taken_over_by, \
+             unknowns, load) VALUES (?, ?, ?, ?, ?, ?, NULL, NULL, 0, ?) \
+             ON CONFLICT (id) DO UPDATE SET boot = excluded.boot, listen = excluded.listen, \
+             version = excluded.version, started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, \
+             load = excluded.load, stopped_at = NULL, taken_over_by = NULL, unknowns = 0",
+        )
+        .bind(&row.id)
+        .bind(&row.boot)
+        .bind(&row.listen)
+        .bind(&row.version)
+        .bind(row.started_at.0)
+        .bind(row.heartbeat_at.0)
+        .bind(&row.load)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query("UPDATE jobs SET lease_until = ? WHERE lease_owner = ?")
+            .bind(lease_until.0)
+            .bind(&row.id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn instances(&self) -> Result<Vec<InstanceRow>> {
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {INSTANCE_COLUMNS} FROM instances ORDER BY (stopped_at IS NULL) DESC, id"
+        )))
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter().map(instance_from_row).collect()
+    }
+
+    async fn take_over(&self, by: &str, stale_before: UnixMs, at: UnixMs) -> Result<Vec<TakeOver>> {
+        let candidates: Vec<String> = sqlx::query_scalar(
+            "SELECT id FROM instances WHERE stopped_at IS NULL AND heartbeat_at < ? AND id <> ? ORDER BY id",
+        )
+        .bind(stale_before.0)
+        .bind(by)
+        .fetch_all(&self.readers)
+        .await?;
+        let mut taken = Vec::new();
+        for id in candidates {
+            let mut w = self.writable().await?;
+            let mut tx = w.0.begin().await?;
+            // Checked again under the write lock: the instance may have heartbeated since.
+            let claimed = sqlx::query(
+                "UPDATE instances SET stopped_at = ?, taken_over_by = ? \
+                 WHERE id = ? AND stopped_at IS NULL AND heartbeat_at < ?",
+            )
+            .bind(at.0)
+            .bind(by)
+            .bind(&id)
+            .bind(stale_before.0)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if claimed == 0 {
+                tx.rollback().await?;
+                continue;
+            }
+            let unknowns = sqlx::query(
+                "UPDATE requests SET state = 'unknown', error_class = 'interrupted', error_message = ? \
+                 WHERE state = 'calling_api' AND instance = ?",
+            )
+            .bind(taken_over_message(&id))
+            .bind(&id)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            sqlx::query("UPDATE instances SET unknowns = ? WHERE id = ?")
+                .bind(i(Some(unknowns)))
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?;
+            let jobs: Vec<String> = sqlx::query_scalar("SELECT id FROM jobs WHERE lease_owner = ? ORDER BY id")
+                .bind(&id)
+                .fetch_all(&mut *tx)
+                .await?;
+            sqlx::query("UPDATE jobs SET lease_owner = NULL, lease_until = NULL WHERE lease_owner = ?")
+                .bind(&id)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            taken.push(TakeOver {
+                instance: id,
+                unknowns,
+                jobs,
+            });
+        }
+        Ok(taken)
+    }
+
+    async fn instance_stopped(&self, id: &str, at: UnixMs) -> Result<()> {
+        let mut w = self.writable().await?;
+        let mut tx = w.0.begin().await?;
+        sqlx::query("UPDATE instances SET stopped_at = ? WHERE id = ?")
+            .bind(at.0)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query("UPDATE jobs SET lease_owner = NULL, lease_until = NULL WHERE lease_owner = ?")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn lease_job(&self, id: &str, instance: &str, now: UnixMs, until: UnixMs) -> Result<Option<JobRecord>> {
+        // One writer: the conditional UPDATE is the lease, the SELECT in the same
+        // transaction reads the row it leased.
+        let mut w = self.writable().await?;
+        let mut tx = w.0.begin().await?;
+        let leased = sqlx::query(
+            "UPDATE jobs SET lease_owner = ?1, lease_until = ?2 WHERE id = ?3 AND state = 'queued' AND ready_at <= ?4 \
+             AND (lease_owner IS NULL OR lease_owner = ?1 OR lease_until < ?4)",
+        )
+        .bind(instance)
+        .bind(until.0)
+        .bind(id)
+        .bind(now.0)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if leased == 0 {
+            tx.rollback().await?;
+            return Ok(None);
+        }
+        let row = sqlx::query(AssertSqlSafe(format!("SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?")))
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let job = row.as_ref().map(|r| job_from_row(r, true)).transpose()?;
+        tx.commit().await?;
+        Ok(job)
+    }
+
+    async fn jobs_changed_since(&self, since: UnixMs) -> Result<Vec<JobRecord>> {
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT {list} FROM jobs WHERE updated_at >= ? ORDER BY updated_at, id",
+            list = *JOB_LIST_COLUMNS
+        )))
+        .bind(since.0)
+        .fetch_all(&self.readers)
+        .await?;
+        rows.iter().map(|r| job_from_row(r, false)).collect()
     }
 
     async fn maintain(&self) -> Result<u64> {

@@ -11,7 +11,7 @@
 //! instead of calling a provider it cannot account for) and the spool is bounded.
 
 use crate::{
-    AttemptRecord, Error, KeyedRequest, LedgerBackend, LedgerFigures, Page, Payload, PruneReport, Reconcile,
+    AttemptRecord, Error, KeyedRequest, LedgerBackend, LedgerFigures, Page, Payload, PgBackend, PruneReport, Reconcile,
     RequestRecord, Result, Search, SideEffect, SqliteBackend,
 };
 use serde::Serialize;
@@ -300,6 +300,39 @@ impl Ledger {
             tracing::warn!(
                 count = unknown,
                 "requests were calling a provider when the gateway last stopped; marked unknown for an owner to reconcile"
+            );
+        }
+        Ok(Ledger::start(Arc::new(backend)))
+    }
+
+    /// A PostgreSQL ledger shared by a fleet; `instance` names this gateway instance.
+    /// Requests this instance left in `calling_api` when it last stopped become `unknown`
+    /// (I4); other instances' in-flight requests are theirs (a survivor takes a dead
+    /// instance's over, see [`LedgerBackend::take_over`]).
+    ///
+    /// A live instance (heartbeat within `stale_after_ms`) of the same name is refused
+    /// before anything is touched: its in-flight rows are its own, not this one's to mark.
+    pub async fn open_postgres(url: &str, instance: &str, stale_after_ms: i64) -> Result<Ledger> {
+        let backend = PgBackend::open(url, instance).await?;
+        let now = wall_now();
+        if let Some(other) = backend
+            .instances()
+            .await?
+            .into_iter()
+            .find(|r| r.id == instance && r.stopped_at.is_none() && now.0 - r.heartbeat_at.0 < stale_after_ms)
+        {
+            return Err(Error::InstanceInUse {
+                name: instance.to_owned(),
+                listen: other.listen,
+                age_ms: now.0 - other.heartbeat_at.0,
+            });
+        }
+        let unknown = backend.mark_interrupted_unknown().await?;
+        if unknown > 0 {
+            tracing::warn!(
+                count = unknown,
+                instance,
+                "requests were calling a provider when this instance last stopped; marked unknown for an owner to reconcile"
             );
         }
         Ok(Ledger::start(Arc::new(backend)))
@@ -666,7 +699,8 @@ async fn write_loop(backend: Arc<dyn LedgerBackend>, queue: Arc<Queue>, health: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::RequestState;
+    use crate::testdb::{Kind, TestDb, both_backends};
+    use crate::{InstanceRow, JobRecord, RequestState, TakeOver};
     use async_trait::async_trait;
     use spillway_wire::{ErrorClass, Format};
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -692,9 +726,41 @@ mod tests {
         r
     }
 
+    both_backends! {
+        async fn i3_durable_calling_api_then_done(db) {
+            // spec: I3
+            let ledger = db.ledger().await;
+            ledger
+                .put_request_durable(rec("r1", RequestState::CallingApi))
+                .await
+                .unwrap();
+            // Visible from another connection as soon as the durable put returns.
+            let got = ledger.get_request("r1").await.unwrap().unwrap();
+            assert_eq!(got.state, RequestState::CallingApi);
+            let mut done = rec("r1", RequestState::Done);
+            done.http_status = Some(200);
+            done.output_tokens = Some(u64::from(u32::MAX) + 5);
+            done.attempts = 1;
+            ledger.put_request(done.clone()).await.unwrap();
+            let mut att = AttemptRecord::started("r1", 1, "openai-a", UnixMs(2));
+            att.upstream_request_id = Some("up-1".into());
+            att.http_status = Some(200);
+            att.error_class = ErrorClass::Success;
+            att.first_byte_at = Some(UnixMs(3));
+            att.finished_at = Some(UnixMs(4));
+            att.decision = Some(crate::Decision::Done);
+            att.ready_at = Some(UnixMs(1_780_000_000_000));
+            ledger.put_attempt(att.clone()).await.unwrap();
+            ledger.flush().await.unwrap();
+            assert_eq!(ledger.get_request("r1").await.unwrap().unwrap(), done);
+            assert_eq!(ledger.attempts("r1").await.unwrap(), vec![att]);
+            ledger.close(Duration::from_secs(1)).await.unwrap();
+        }
+    }
+
+    // SQLite only: a SQLite ledger is a file, whose directory is made when missing.
     #[tokio::test]
-    async fn i3_durable_calling_api_then_done() {
-        // spec: I3
+    async fn a_missing_ledger_directory_is_made() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nested/ledger.db");
         let ledger = Ledger::open_sqlite(&path).await.unwrap();
@@ -702,59 +768,42 @@ mod tests {
             .put_request_durable(rec("r1", RequestState::CallingApi))
             .await
             .unwrap();
-        // Visible from another connection as soon as the durable put returns.
-        let got = ledger.get_request("r1").await.unwrap().unwrap();
-        assert_eq!(got.state, RequestState::CallingApi);
-        let mut done = rec("r1", RequestState::Done);
-        done.http_status = Some(200);
-        done.output_tokens = Some(u64::from(u32::MAX) + 5);
-        done.attempts = 1;
-        ledger.put_request(done.clone()).await.unwrap();
-        let mut att = AttemptRecord::started("r1", 1, "openai-a", UnixMs(2));
-        att.upstream_request_id = Some("up-1".into());
-        att.http_status = Some(200);
-        att.error_class = ErrorClass::Success;
-        att.first_byte_at = Some(UnixMs(3));
-        att.finished_at = Some(UnixMs(4));
-        att.decision = Some(crate::Decision::Done);
-        att.ready_at = Some(UnixMs(1_780_000_000_000));
-        ledger.put_attempt(att.clone()).await.unwrap();
-        ledger.flush().await.unwrap();
-        assert_eq!(ledger.get_request("r1").await.unwrap().unwrap(), done);
-        assert_eq!(ledger.attempts("r1").await.unwrap(), vec![att]);
         ledger.close(Duration::from_secs(1)).await.unwrap();
+        assert!(path.is_file());
     }
 
-    #[tokio::test]
-    async fn i4_calling_api_becomes_unknown_on_restart() {
-        // spec: I4
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("ledger.db");
-        let ledger = Ledger::open_sqlite(&path).await.unwrap();
-        ledger
-            .put_request_durable(rec("r1", RequestState::CallingApi))
-            .await
-            .unwrap();
-        ledger.put_request_durable(rec("r2", RequestState::Done)).await.unwrap();
-        ledger.close(Duration::from_secs(1)).await.unwrap();
-        drop(ledger);
-        let reopened = Ledger::open_sqlite(&path).await.unwrap();
-        let r1 = reopened.get_request("r1").await.unwrap().unwrap();
-        assert_eq!(r1.state, RequestState::Unknown);
-        assert_eq!(
-            r1.error_class,
-            Some(crate::FailureClass::Gateway(crate::GatewayClass::Interrupted))
-        );
-        assert_eq!(
-            reopened.get_request("r2").await.unwrap().unwrap().state,
-            RequestState::Done
-        );
+    both_backends! {
+        async fn i4_calling_api_becomes_unknown_on_restart(db) {
+            // spec: I4
+            let ledger = db.ledger().await;
+            ledger
+                .put_request_durable(rec("r1", RequestState::CallingApi))
+                .await
+                .unwrap();
+            ledger.put_request_durable(rec("r2", RequestState::Done)).await.unwrap();
+            ledger.close(Duration::from_secs(1)).await.unwrap();
+            drop(ledger);
+            // The same instance starting again (on PostgreSQL: the same instance name).
+            let reopened = db.ledger().await;
+            let r1 = reopened.get_request("r1").await.unwrap().unwrap();
+            assert_eq!(r1.state, RequestState::Unknown);
+            assert_eq!(
+                r1.error_class,
+                Some(crate::FailureClass::Gateway(crate::GatewayClass::Interrupted))
+            );
+            assert_eq!(
+                reopened.get_request("r2").await.unwrap().unwrap().state,
+                RequestState::Done
+            );
+        }
     }
 
+    // SQLite only: the lock file beside the ledger file keeps a second instance out (on
+    // PostgreSQL, instances share the ledger: R1).
     #[tokio::test]
     async fn a_second_instance_is_refused_before_it_touches_a_row() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("ledger.db");
+        let db = TestDb::sqlite().await;
+        let path = db.path();
         let first = Ledger::open_sqlite(&path).await.unwrap();
         first
             .put_request_durable(rec("r1", RequestState::CallingApi))
@@ -780,28 +829,28 @@ mod tests {
         again.close(Duration::from_secs(1)).await.unwrap();
     }
 
-    #[tokio::test]
-    async fn the_store_refuses_to_move_a_request_backwards() {
-        let dir = tempfile::tempdir().unwrap();
-        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
-        let mut done = rec("r1", RequestState::Done);
-        done.http_status = Some(200);
-        ledger.put_request(done.clone()).await.unwrap();
-        ledger.flush().await.unwrap();
-        // A late `calling_api` (in its own batch, so only the store can refuse it).
-        ledger
-            .put_request_durable(rec("r1", RequestState::CallingApi))
-            .await
-            .unwrap();
-        assert_eq!(ledger.get_request("r1").await.unwrap().unwrap(), done);
-        // Within one batch too: the later state wins whatever order the writes take.
-        ledger.put_request(rec("r2", RequestState::Failed)).await.unwrap();
-        ledger.put_request(rec("r2", RequestState::CallingApi)).await.unwrap();
-        ledger.flush().await.unwrap();
-        assert_eq!(
-            ledger.get_request("r2").await.unwrap().unwrap().state,
-            RequestState::Failed
-        );
+    both_backends! {
+        async fn the_store_refuses_to_move_a_request_backwards(db) {
+            let ledger = db.ledger().await;
+            let mut done = rec("r1", RequestState::Done);
+            done.http_status = Some(200);
+            ledger.put_request(done.clone()).await.unwrap();
+            ledger.flush().await.unwrap();
+            // A late `calling_api` (in its own batch, so only the store can refuse it).
+            ledger
+                .put_request_durable(rec("r1", RequestState::CallingApi))
+                .await
+                .unwrap();
+            assert_eq!(ledger.get_request("r1").await.unwrap().unwrap(), done);
+            // Within one batch too: the later state wins whatever order the writes take.
+            ledger.put_request(rec("r2", RequestState::Failed)).await.unwrap();
+            ledger.put_request(rec("r2", RequestState::CallingApi)).await.unwrap();
+            ledger.flush().await.unwrap();
+            assert_eq!(
+                ledger.get_request("r2").await.unwrap().unwrap().state,
+                RequestState::Failed
+            );
+        }
     }
 
     /// A UUIDv7-shaped id of millisecond `ms` (ids sort by time, as the gateway's do).
@@ -829,258 +878,256 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn i2_a_key_finds_its_newest_request_and_stored_response_until_they_expire() {
-        // spec: I2, I6
-        let dir = tempfile::tempdir().unwrap();
-        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
-        let (a, b) = (id_at(1_000_000, 1), id_at(1_000_500, 2));
-        // The first run failed (its key may run again); the second completed.
-        let mut failed = keyed_rec(&a, RequestState::Failed, "k-1", 1_000_000);
-        failed.http_status = Some(503);
-        ledger.put_request(failed).await.unwrap();
-        ledger
-            .put_request(keyed_rec(&b, RequestState::Done, "k-1", 1_000_500))
-            .await
-            .unwrap();
-        // Binary and event-stream bytes survive as they are.
-        let body = b"data: {\"x\":1}\n\n\x00\xff data: [DONE]\n\n";
-        ledger.enqueue_payload(stored(&b, body, 2_000_000));
-        // Another gateway key's same Idempotency-Key is another key.
-        let mut other = keyed_rec(&id_at(1_000_600, 3), RequestState::Done, "k-1", 1_000_600);
-        other.key_name = Some("other-app".into());
-        ledger.put_request(other).await.unwrap();
-        ledger.flush().await.unwrap();
-
-        let found = ledger
-            .keyed("app", "k-1", UnixMs(0), UnixMs(1_500_000))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(found.request.id, b);
-        let r = found.response.unwrap();
-        assert_eq!(
-            (r.status, r.content_type.as_str(), r.body.as_slice()),
-            (200, "text/event-stream", &body[..])
-        );
-        // The stored copy expires on its own clock; the key on the window's.
-        let later = ledger
-            .keyed("app", "k-1", UnixMs(0), UnixMs(2_000_000))
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(later.response.is_none());
-        assert!(
+    both_backends! {
+        async fn i2_a_key_finds_its_newest_request_and_stored_response_until_they_expire(db) {
+            // spec: I2, I6
+            let ledger = db.ledger().await;
+            let (a, b) = (id_at(1_000_000, 1), id_at(1_000_500, 2));
+            // The first run failed (its key may run again); the second completed.
+            let mut failed = keyed_rec(&a, RequestState::Failed, "k-1", 1_000_000);
+            failed.http_status = Some(503);
+            ledger.put_request(failed).await.unwrap();
             ledger
-                .keyed("app", "k-1", UnixMs(1_000_501), UnixMs(0))
+                .put_request(keyed_rec(&b, RequestState::Done, "k-1", 1_000_500))
+                .await
+                .unwrap();
+            // Binary and event-stream bytes survive as they are.
+            let body = b"data: {\"x\":1}\n\n\x00\xff data: [DONE]\n\n";
+            ledger.enqueue_payload(stored(&b, body, 2_000_000));
+            // Another gateway key's same Idempotency-Key is another key.
+            let mut other = keyed_rec(&id_at(1_000_600, 3), RequestState::Done, "k-1", 1_000_600);
+            other.key_name = Some("other-app".into());
+            ledger.put_request(other).await.unwrap();
+            ledger.flush().await.unwrap();
+
+            let found = ledger
+                .keyed("app", "k-1", UnixMs(0), UnixMs(1_500_000))
                 .await
                 .unwrap()
-                .is_none(),
-            "a key older than the window is forgotten"
-        );
-        assert!(
-            ledger
-                .keyed("app", "k-2", UnixMs(0), UnixMs(0))
+                .unwrap();
+            assert_eq!(found.request.id, b);
+            let r = found.response.unwrap();
+            assert_eq!(
+                (r.status, r.content_type.as_str(), r.body.as_slice()),
+                (200, "text/event-stream", &body[..])
+            );
+            // The stored copy expires on its own clock; the key on the window's.
+            let later = ledger
+                .keyed("app", "k-1", UnixMs(0), UnixMs(2_000_000))
                 .await
                 .unwrap()
-                .is_none()
-        );
-        // An unknown outcome binds its key past the window: it waits for an owner (L3).
-        let u = id_at(900_000, 4);
-        ledger
-            .put_request(keyed_rec(&u, RequestState::Unknown, "k-3", 900_000))
-            .await
-            .unwrap();
-        ledger.flush().await.unwrap();
-        let found = ledger.keyed("app", "k-3", UnixMs(5_000_000), UnixMs(0)).await.unwrap();
-        assert_eq!(found.map(|f| f.request.id), Some(u));
-        // Pruning removes what expired.
-        let report = ledger.prune(UnixMs(2_000_000), None, UnixMs(0), false).await.unwrap();
-        assert_eq!((report.payloads, report.requests), (1, 0));
-        ledger.close(Duration::from_secs(1)).await.unwrap();
-    }
-
-    #[tokio::test]
-    async fn i4_an_owner_reconciles_an_unknown_request_once_with_an_audit_entry() {
-        // spec: I4, L3
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("l.db");
-        let (a, b) = (id_at(5_000, 1), id_at(5_001, 2));
-        {
-            let ledger = Ledger::open_sqlite(&path).await.unwrap();
-            for id in [&a, &b] {
+                .unwrap();
+            assert!(later.response.is_none());
+            assert!(
                 ledger
-                    .put_request_durable(keyed_rec(id, RequestState::CallingApi, id, 5_000))
+                    .keyed("app", "k-1", UnixMs(1_000_501), UnixMs(0))
                     .await
-                    .unwrap();
-            }
-            ledger.close(Duration::from_secs(1)).await.unwrap();
-        }
-        // A crash left both calling the provider: both are unknown, listed for an owner.
-        let ledger = Ledger::open_sqlite(&path).await.unwrap();
-        let listed: Vec<String> = ledger.unknowns(10).await.unwrap().into_iter().map(|r| r.id).collect();
-        assert_eq!(listed, [b.clone(), a.clone()]);
-        let fig = ledger.figures(UnixMs(0)).await.unwrap();
-        assert_eq!(fig.unknown, 2);
-        assert_eq!(
-            fig.unknown_by_route,
-            [crate::RouteCount {
-                route: "openai/gpt-4o-mini".into(),
-                count: 2
-            }]
-        );
-        assert!(fig.bytes > 0);
-
-        let done = Reconcile {
-            outcome: crate::Reconciliation::ConfirmedDone,
-            result_id: Some("msg-42".into()),
-            actor: "kenji".into(),
-            reason: "the provider's dashboard shows the completion".into(),
-        };
-        let r = ledger.reconcile(&a, &done, UnixMs(9_000)).await.unwrap();
-        assert_eq!(r.state, RequestState::Done);
-        assert_eq!(r.result_id(), Some("msg-42"));
-        let res = r.resolution.as_deref().unwrap();
-        assert_eq!(res.reconciliation, Some(crate::Reconciliation::ConfirmedDone));
-        assert_eq!(
-            (res.reconciled_by.as_deref(), res.reconciled_at),
-            (Some("kenji"), Some(UnixMs(9_000)))
-        );
-        // Once only: a second verdict is refused and names who gave the first.
-        let again = ledger
-            .reconcile(&a, &done, UnixMs(9_001))
-            .await
-            .unwrap_err()
-            .to_string();
-        assert!(again.contains("not unknown") && again.contains("kenji"), "{again}");
-        assert!(matches!(
-            ledger.reconcile("nope", &done, UnixMs(1)).await,
-            Err(Error::NotFound)
-        ));
-        let not_run = Reconcile {
-            outcome: crate::Reconciliation::ConfirmedNotExecuted,
-            result_id: None,
-            actor: "ana".into(),
-            reason: "no trace at the provider".into(),
-        };
-        let r = ledger.reconcile(&b, &not_run, UnixMs(9_500)).await.unwrap();
-        assert_eq!(r.state, RequestState::Failed);
-        let audit = ledger.audit(Some("request"), None, 10).await.unwrap();
-        assert_eq!(
-            audit
-                .iter()
-                .map(|e| (e.subject.as_str(), e.actor.as_str(), e.action.as_str()))
-                .collect::<Vec<_>>(),
-            [
-                (b.as_str(), "ana", "unknown->confirmed_not_executed"),
-                (a.as_str(), "kenji", "unknown->confirmed_done")
-            ]
-        );
-        assert!(ledger.unknowns(10).await.unwrap().is_empty());
-        assert_eq!(ledger.figures(UnixMs(0)).await.unwrap().unknown, 0);
-        ledger.close(Duration::from_secs(1)).await.unwrap();
-    }
-
-    #[tokio::test]
-    async fn i3_the_side_effect_step_is_marked_once() {
-        // spec: I3
-        let dir = tempfile::tempdir().unwrap();
-        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
-        let id = id_at(7_000, 1);
-        ledger
-            .put_request(keyed_rec(&id, RequestState::CallingApi, "k", 7_000))
-            .await
-            .unwrap();
-        // Not before the answer arrived.
-        let early = ledger.side_effect(&id, &SideEffect::Pending, UnixMs(7_001)).await;
-        assert!(matches!(early, Err(Error::Conflict(m)) if m.contains("calling_api")));
-        ledger
-            .put_request(keyed_rec(&id, RequestState::Done, "k", 7_000))
-            .await
-            .unwrap();
-        let r = ledger
-            .side_effect(&id, &SideEffect::Pending, UnixMs(7_002))
-            .await
-            .unwrap();
-        let at = |r: &RequestRecord| r.resolution.as_ref().and_then(|x| x.side_effect_at);
-        assert_eq!(
-            (r.state, at(&r)),
-            (RequestState::SideEffectPending, Some(UnixMs(7_002)))
-        );
-        // Again: accepted, unchanged.
-        let r = ledger
-            .side_effect(&id, &SideEffect::Pending, UnixMs(7_003))
-            .await
-            .unwrap();
-        assert_eq!(at(&r), Some(UnixMs(7_002)));
-        // A late write from the request path cannot take the pending step back.
-        ledger
-            .put_request(keyed_rec(&id, RequestState::Done, "k", 7_000))
-            .await
-            .unwrap();
-        ledger.flush().await.unwrap();
-        assert_eq!(
-            ledger.get_request(&id).await.unwrap().unwrap().state,
-            RequestState::SideEffectPending
-        );
-        let done = SideEffect::Done {
-            result_id: "email-9".into(),
-        };
-        let r = ledger.side_effect(&id, &done, UnixMs(7_004)).await.unwrap();
-        assert_eq!((r.state, r.result_id()), (RequestState::Done, Some("email-9")));
-        let again = ledger.side_effect(&id, &done, UnixMs(7_005)).await.unwrap();
-        assert_eq!(at(&again), Some(UnixMs(7_004)));
-        // Never twice with another result, never back to pending.
-        let other = SideEffect::Done {
-            result_id: "email-10".into(),
-        };
-        assert!(
-            matches!(ledger.side_effect(&id, &other, UnixMs(7_006)).await, Err(Error::Conflict(m)) if m.contains("email-9"))
-        );
-        assert!(
+                    .unwrap()
+                    .is_none(),
+                "a key older than the window is forgotten"
+            );
+            assert!(
+                ledger
+                    .keyed("app", "k-2", UnixMs(0), UnixMs(0))
+                    .await
+                    .unwrap()
+                    .is_none()
+            );
+            // An unknown outcome binds its key past the window: it waits for an owner (L3).
+            let u = id_at(900_000, 4);
             ledger
-                .side_effect(&id, &SideEffect::Pending, UnixMs(7_007))
+                .put_request(keyed_rec(&u, RequestState::Unknown, "k-3", 900_000))
                 .await
-                .is_err()
-        );
-        // The request path cannot undo it either.
-        ledger
-            .put_request(keyed_rec(&id, RequestState::Done, "k", 7_000))
-            .await
-            .unwrap();
-        ledger.flush().await.unwrap();
-        assert_eq!(
-            ledger.get_request(&id).await.unwrap().unwrap().result_id(),
-            Some("email-9")
-        );
-        ledger.close(Duration::from_secs(1)).await.unwrap();
-    }
-
-    #[tokio::test]
-    async fn i5_attempt_counts_first_attempt_and_ready_at_survive_a_restart() {
-        // spec: I5
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("l.db");
-        let id = id_at(8_000, 1);
-        {
-            let ledger = Ledger::open_sqlite(&path).await.unwrap();
-            let mut r = rec(&id, RequestState::CallingApi);
-            r.attempts = 2;
-            r.admitted_at = Some(UnixMs(8_001));
-            r.next_ready_at = Some(UnixMs(12_000));
-            ledger.put_request_durable(r).await.unwrap();
-            // The row stays as a crash would leave it (the black-box crash test kills the
-            // real process).
+                .unwrap();
+            ledger.flush().await.unwrap();
+            let found = ledger.keyed("app", "k-3", UnixMs(5_000_000), UnixMs(0)).await.unwrap();
+            assert_eq!(found.map(|f| f.request.id), Some(u));
+            // Pruning removes what expired.
+            let report = ledger.prune(UnixMs(2_000_000), None, UnixMs(0), false).await.unwrap();
+            assert_eq!((report.payloads, report.requests), (1, 0));
             ledger.close(Duration::from_secs(1)).await.unwrap();
         }
-        let ledger = Ledger::open_sqlite(&path).await.unwrap();
-        let r = ledger.unknowns(5).await.unwrap().pop().unwrap();
-        assert_eq!(r.id, id);
-        assert_eq!(
-            (r.attempts, r.admitted_at, r.next_ready_at),
-            (2, Some(UnixMs(8_001)), Some(UnixMs(12_000)))
-        );
-        ledger.close(Duration::from_secs(1)).await.unwrap();
+    }
+
+    both_backends! {
+        async fn i4_an_owner_reconciles_an_unknown_request_once_with_an_audit_entry(db) {
+            // spec: I4, L3
+            let (a, b) = (id_at(5_000, 1), id_at(5_001, 2));
+            {
+                let ledger = db.ledger().await;
+                for id in [&a, &b] {
+                    ledger
+                        .put_request_durable(keyed_rec(id, RequestState::CallingApi, id, 5_000))
+                        .await
+                        .unwrap();
+                }
+                ledger.close(Duration::from_secs(1)).await.unwrap();
+            }
+            // A crash left both calling the provider: both are unknown, listed for an owner.
+            let ledger = db.ledger().await;
+            let listed: Vec<String> = ledger.unknowns(10).await.unwrap().into_iter().map(|r| r.id).collect();
+            assert_eq!(listed, [b.clone(), a.clone()]);
+            let fig = ledger.figures(UnixMs(0)).await.unwrap();
+            assert_eq!(fig.unknown, 2);
+            assert_eq!(
+                fig.unknown_by_route,
+                [crate::RouteCount {
+                    route: "openai/gpt-4o-mini".into(),
+                    count: 2
+                }]
+            );
+            assert!(fig.bytes > 0);
+
+            let done = Reconcile {
+                outcome: crate::Reconciliation::ConfirmedDone,
+                result_id: Some("msg-42".into()),
+                actor: "kenji".into(),
+                reason: "the provider's dashboard shows the completion".into(),
+            };
+            let r = ledger.reconcile(&a, &done, UnixMs(9_000)).await.unwrap();
+            assert_eq!(r.state, RequestState::Done);
+            assert_eq!(r.result_id(), Some("msg-42"));
+            let res = r.resolution.as_deref().unwrap();
+            assert_eq!(res.reconciliation, Some(crate::Reconciliation::ConfirmedDone));
+            assert_eq!(
+                (res.reconciled_by.as_deref(), res.reconciled_at),
+                (Some("kenji"), Some(UnixMs(9_000)))
+            );
+            // Once only: a second verdict is refused and names who gave the first.
+            let again = ledger
+                .reconcile(&a, &done, UnixMs(9_001))
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(again.contains("not unknown") && again.contains("kenji"), "{again}");
+            assert!(matches!(
+                ledger.reconcile("nope", &done, UnixMs(1)).await,
+                Err(Error::NotFound)
+            ));
+            let not_run = Reconcile {
+                outcome: crate::Reconciliation::ConfirmedNotExecuted,
+                result_id: None,
+                actor: "ana".into(),
+                reason: "no trace at the provider".into(),
+            };
+            let r = ledger.reconcile(&b, &not_run, UnixMs(9_500)).await.unwrap();
+            assert_eq!(r.state, RequestState::Failed);
+            let audit = ledger.audit(Some("request"), None, 10).await.unwrap();
+            assert_eq!(
+                audit
+                    .iter()
+                    .map(|e| (e.subject.as_str(), e.actor.as_str(), e.action.as_str()))
+                    .collect::<Vec<_>>(),
+                [
+                    (b.as_str(), "ana", "unknown->confirmed_not_executed"),
+                    (a.as_str(), "kenji", "unknown->confirmed_done")
+                ]
+            );
+            assert!(ledger.unknowns(10).await.unwrap().is_empty());
+            assert_eq!(ledger.figures(UnixMs(0)).await.unwrap().unknown, 0);
+            ledger.close(Duration::from_secs(1)).await.unwrap();
+        }
+    }
+
+    both_backends! {
+        async fn i3_the_side_effect_step_is_marked_once(db) {
+            // spec: I3
+            let ledger = db.ledger().await;
+            let id = id_at(7_000, 1);
+            ledger
+                .put_request(keyed_rec(&id, RequestState::CallingApi, "k", 7_000))
+                .await
+                .unwrap();
+            // Not before the answer arrived.
+            let early = ledger.side_effect(&id, &SideEffect::Pending, UnixMs(7_001)).await;
+            assert!(matches!(early, Err(Error::Conflict(m)) if m.contains("calling_api")));
+            ledger
+                .put_request(keyed_rec(&id, RequestState::Done, "k", 7_000))
+                .await
+                .unwrap();
+            let r = ledger
+                .side_effect(&id, &SideEffect::Pending, UnixMs(7_002))
+                .await
+                .unwrap();
+            let at = |r: &RequestRecord| r.resolution.as_ref().and_then(|x| x.side_effect_at);
+            assert_eq!(
+                (r.state, at(&r)),
+                (RequestState::SideEffectPending, Some(UnixMs(7_002)))
+            );
+            // Again: accepted, unchanged.
+            let r = ledger
+                .side_effect(&id, &SideEffect::Pending, UnixMs(7_003))
+                .await
+                .unwrap();
+            assert_eq!(at(&r), Some(UnixMs(7_002)));
+            // A late write from the request path cannot take the pending step back.
+            ledger
+                .put_request(keyed_rec(&id, RequestState::Done, "k", 7_000))
+                .await
+                .unwrap();
+            ledger.flush().await.unwrap();
+            assert_eq!(
+                ledger.get_request(&id).await.unwrap().unwrap().state,
+                RequestState::SideEffectPending
+            );
+            let done = SideEffect::Done {
+                result_id: "email-9".into(),
+            };
+            let r = ledger.side_effect(&id, &done, UnixMs(7_004)).await.unwrap();
+            assert_eq!((r.state, r.result_id()), (RequestState::Done, Some("email-9")));
+            let again = ledger.side_effect(&id, &done, UnixMs(7_005)).await.unwrap();
+            assert_eq!(at(&again), Some(UnixMs(7_004)));
+            // Never twice with another result, never back to pending.
+            let other = SideEffect::Done {
+                result_id: "email-10".into(),
+            };
+            assert!(
+                matches!(ledger.side_effect(&id, &other, UnixMs(7_006)).await, Err(Error::Conflict(m)) if m.contains("email-9"))
+            );
+            assert!(
+                ledger
+                    .side_effect(&id, &SideEffect::Pending, UnixMs(7_007))
+                    .await
+                    .is_err()
+            );
+            // The request path cannot undo it either.
+            ledger
+                .put_request(keyed_rec(&id, RequestState::Done, "k", 7_000))
+                .await
+                .unwrap();
+            ledger.flush().await.unwrap();
+            assert_eq!(
+                ledger.get_request(&id).await.unwrap().unwrap().result_id(),
+                Some("email-9")
+            );
+            ledger.close(Duration::from_secs(1)).await.unwrap();
+        }
+    }
+
+    both_backends! {
+        async fn i5_attempt_counts_first_attempt_and_ready_at_survive_a_restart(db) {
+            // spec: I5
+            let id = id_at(8_000, 1);
+            {
+                let ledger = db.ledger().await;
+                let mut r = rec(&id, RequestState::CallingApi);
+                r.attempts = 2;
+                r.admitted_at = Some(UnixMs(8_001));
+                r.next_ready_at = Some(UnixMs(12_000));
+                ledger.put_request_durable(r).await.unwrap();
+                // The row stays as a crash would leave it (the black-box crash test kills the
+                // real process).
+                ledger.close(Duration::from_secs(1)).await.unwrap();
+            }
+            let ledger = db.ledger().await;
+            let r = ledger.unknowns(5).await.unwrap().pop().unwrap();
+            assert_eq!(r.id, id);
+            assert_eq!(
+                (r.attempts, r.admitted_at, r.next_ready_at),
+                (2, Some(UnixMs(8_001)), Some(UnixMs(12_000)))
+            );
+            ledger.close(Duration::from_secs(1)).await.unwrap();
+        }
     }
 
     fn audit_entry(kind: &str, subject: &str, action: &str) -> crate::AuditEntry {
@@ -1097,293 +1144,630 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn b4_a_balance_is_credits_minus_costs_seeded_once_and_kept_through_a_prune() {
-        // spec: B4, B5
-        let dir = tempfile::tempdir().unwrap();
-        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
-        let store = ledger.store();
-        let seeds = [("team".to_owned(), 10.0)];
-        assert_eq!(store.seed_owners(&seeds, UnixMs(1)).await.unwrap(), ["team"]);
-        // The config's seed applies once: a changed config does not reset the balance.
-        assert!(
+    both_backends! {
+        async fn b4_a_balance_is_credits_minus_costs_seeded_once_and_kept_through_a_prune(db) {
+            // spec: B4, B5
+            let ledger = db.ledger().await;
+            let store = ledger.store();
+            let seeds = [("team".to_owned(), 10.0)];
+            assert_eq!(store.seed_owners(&seeds, UnixMs(1)).await.unwrap(), ["team"]);
+            // The config's seed applies once: a changed config does not reset the balance.
+            assert!(
+                store
+                    .seed_owners(&[("team".to_owned(), 99.0)], UnixMs(2))
+                    .await
+                    .unwrap()
+                    .is_empty()
+            );
+            for (n, cost, owner) in [
+                (0u64, Some(1.5), "team"),
+                (1, Some(2.0), "team"),
+                (2, None, "team"),
+                (3, Some(4.0), "metered"),
+            ] {
+                let mut r = rec(&id_at(10_000 + n as i64, n), RequestState::Done);
+                r.owner = Some(owner.into());
+                r.key_name = Some("app".into());
+                r.cost_usd = cost;
+                ledger.put_request(r).await.unwrap();
+            }
+            ledger.flush().await.unwrap();
+            let balance = |a: &crate::Accounts| {
+                let credit: f64 = a.credits.iter().filter(|(o, _)| o == "team").map(|(_, c)| c).sum();
+                let spent: f64 = a
+                    .spend
+                    .iter()
+                    .filter(|s| s.owner.as_deref() == Some("team"))
+                    .map(|s| s.cost_usd)
+                    .sum();
+                let folded: f64 = a
+                    .key_spend
+                    .iter()
+                    .filter(|k| k.key_name == "app")
+                    .map(|k| k.folded_usd)
+                    .sum();
+                let key: f64 = a
+                    .spend
+                    .iter()
+                    .filter(|s| s.key_name.as_deref() == Some("app") && s.owner.as_deref() == Some("team"))
+                    .map(|s| s.cost_usd)
+                    .sum();
+                (credit - spent, key + folded)
+            };
+            assert_eq!(balance(&store.accounts().await.unwrap()), (6.5, 3.5));
+            let top_up = crate::BalanceEntry {
+                owner: "team".into(),
+                at: UnixMs(3),
+                kind: "top_up".into(),
+                amount_usd: 1.0,
+                actor: Some("ops".into()),
+                reason: Some("test".into()),
+            };
             store
-                .seed_owners(&[("team".to_owned(), 99.0)], UnixMs(2))
+                .credit(&top_up, &audit_entry("owner", "team", "top_up"))
                 .await
-                .unwrap()
-                .is_empty()
-        );
-        for (n, cost, owner) in [
-            (0u64, Some(1.5), "team"),
-            (1, Some(2.0), "team"),
-            (2, None, "team"),
-            (3, Some(4.0), "metered"),
-        ] {
-            let mut r = rec(&id_at(10_000 + n as i64, n), RequestState::Done);
-            r.owner = Some(owner.into());
-            r.key_name = Some("app".into());
-            r.cost_usd = cost;
+                .unwrap();
+            assert_eq!(balance(&store.accounts().await.unwrap()), (7.5, 3.5));
+            // A prune removes the requests and folds their costs in: nothing moves.
+            let report = ledger
+                .prune(UnixMs(30_000), Some(UnixMs(20_000)), UnixMs(0), false)
+                .await
+                .unwrap();
+            assert_eq!(report.requests, 4);
+            let after = store.accounts().await.unwrap();
+            assert!(after.spend.is_empty());
+            // The key's folded spend includes the metered owner's request on the same key.
+            assert_eq!(balance(&after), (7.5, 7.5));
+            // Pruned charges do not make a metered owner prepaid; seeding it later starts its
+            // balance at the seed, whatever it spent before.
+            assert_eq!(after.prepaid, ["team"]);
+            assert_eq!(
+                store
+                    .seed_owners(&[("metered".to_owned(), 5.0)], UnixMs(40_000))
+                    .await
+                    .unwrap(),
+                ["metered"]
+            );
+            let a = store.accounts().await.unwrap();
+            let metered: f64 = a.credits.iter().filter(|(o, _)| o == "metered").map(|(_, c)| c).sum();
+            assert_eq!(metered, 5.0);
+            assert_eq!(a.prepaid.len(), 2);
+            // A metered owner's first top-up is its balance, whatever it spent before.
+            let mut r = rec(&id_at(50_000, 9), RequestState::Done);
+            r.owner = Some("walk-in".into());
+            r.cost_usd = Some(40.0);
             ledger.put_request(r).await.unwrap();
-        }
-        ledger.flush().await.unwrap();
-        let balance = |a: &crate::Accounts| {
-            let credit: f64 = a.credits.iter().filter(|(o, _)| o == "team").map(|(_, c)| c).sum();
+            ledger.flush().await.unwrap();
+            let first = crate::BalanceEntry {
+                owner: "walk-in".into(),
+                at: UnixMs(60_000),
+                kind: "top_up".into(),
+                amount_usd: 10.0,
+                actor: Some("ops".into()),
+                reason: Some("test".into()),
+            };
+            store
+                .credit(&first, &audit_entry("owner", "walk-in", "top_up"))
+                .await
+                .unwrap();
+            store
+                .credit(&first, &audit_entry("owner", "walk-in", "top_up"))
+                .await
+                .unwrap();
+            let a = store.accounts().await.unwrap();
+            let credits: f64 = a.credits.iter().filter(|(o, _)| o == "walk-in").map(|(_, c)| c).sum();
             let spent: f64 = a
                 .spend
                 .iter()
-                .filter(|s| s.owner.as_deref() == Some("team"))
+                .filter(|s| s.owner.as_deref() == Some("walk-in"))
                 .map(|s| s.cost_usd)
                 .sum();
-            let folded: f64 = a
-                .key_spend
-                .iter()
-                .filter(|k| k.key_name == "app")
-                .map(|k| k.folded_usd)
-                .sum();
-            let key: f64 = a
-                .spend
-                .iter()
-                .filter(|s| s.key_name.as_deref() == Some("app") && s.owner.as_deref() == Some("team"))
-                .map(|s| s.cost_usd)
-                .sum();
-            (credit - spent, key + folded)
-        };
-        assert_eq!(balance(&store.accounts().await.unwrap()), (6.5, 3.5));
-        let top_up = crate::BalanceEntry {
-            owner: "team".into(),
-            at: UnixMs(3),
-            kind: "top_up".into(),
-            amount_usd: 1.0,
-            actor: Some("ops".into()),
-            reason: Some("test".into()),
-        };
-        store
-            .credit(&top_up, &audit_entry("owner", "team", "top_up"))
-            .await
-            .unwrap();
-        assert_eq!(balance(&store.accounts().await.unwrap()), (7.5, 3.5));
-        // A prune removes the requests and folds their costs in: nothing moves.
-        let report = ledger
-            .prune(UnixMs(30_000), Some(UnixMs(20_000)), UnixMs(0), false)
-            .await
-            .unwrap();
-        assert_eq!(report.requests, 4);
-        let after = store.accounts().await.unwrap();
-        assert!(after.spend.is_empty());
-        // The key's folded spend includes the metered owner's request on the same key.
-        assert_eq!(balance(&after), (7.5, 7.5));
-        // Pruned charges do not make a metered owner prepaid; seeding it later starts its
-        // balance at the seed, whatever it spent before.
-        assert_eq!(after.prepaid, ["team"]);
-        assert_eq!(
-            store
-                .seed_owners(&[("metered".to_owned(), 5.0)], UnixMs(40_000))
-                .await
-                .unwrap(),
-            ["metered"]
-        );
-        let a = store.accounts().await.unwrap();
-        let metered: f64 = a.credits.iter().filter(|(o, _)| o == "metered").map(|(_, c)| c).sum();
-        assert_eq!(metered, 5.0);
-        assert_eq!(a.prepaid.len(), 2);
-        // A metered owner's first top-up is its balance, whatever it spent before.
-        let mut r = rec(&id_at(50_000, 9), RequestState::Done);
-        r.owner = Some("walk-in".into());
-        r.cost_usd = Some(40.0);
-        ledger.put_request(r).await.unwrap();
-        ledger.flush().await.unwrap();
-        let first = crate::BalanceEntry {
-            owner: "walk-in".into(),
-            at: UnixMs(60_000),
-            kind: "top_up".into(),
-            amount_usd: 10.0,
-            actor: Some("ops".into()),
-            reason: Some("test".into()),
-        };
-        store
-            .credit(&first, &audit_entry("owner", "walk-in", "top_up"))
-            .await
-            .unwrap();
-        store
-            .credit(&first, &audit_entry("owner", "walk-in", "top_up"))
-            .await
-            .unwrap();
-        let a = store.accounts().await.unwrap();
-        let credits: f64 = a.credits.iter().filter(|(o, _)| o == "walk-in").map(|(_, c)| c).sum();
-        let spent: f64 = a
-            .spend
-            .iter()
-            .filter(|s| s.owner.as_deref() == Some("walk-in"))
-            .map(|s| s.cost_usd)
-            .sum();
-        assert_eq!(credits - spent, 20.0);
-        assert_eq!(ledger.audit(Some("owner"), Some("team"), 5).await.unwrap().len(), 1);
-        ledger.close(Duration::from_secs(1)).await.unwrap();
-    }
-
-    #[tokio::test]
-    async fn b5_made_keys_keep_a_hash_revoke_once_and_limits_are_recorded() {
-        // spec: B5, B3
-        let dir = tempfile::tempdir().unwrap();
-        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
-        let store = ledger.store();
-        let key = crate::StoredKey {
-            name: "batch".into(),
-            owner: "team".into(),
-            secret_sha256: "ab".repeat(32),
-            hint: "sk-sw-1234".into(),
-            rpm: Some(60),
-            max_concurrency: None,
-            created_at: UnixMs(5),
-            created_by: "ops".into(),
-            revoked_at: None,
-            revoked_by: None,
-        };
-        store
-            .create_key(&key, None, &audit_entry("key", "batch", "created"))
-            .await
-            .unwrap();
-        assert!(matches!(
-            store
-                .create_key(&key, Some(1.0), &audit_entry("key", "batch", "created"))
-                .await,
-            Err(crate::Error::Conflict(_))
-        ));
-        store
-            .set_spend_limit(
-                "batch",
-                Some(2.5),
-                UnixMs(6),
-                "ops",
-                &audit_entry("key", "batch", "limit"),
-            )
-            .await
-            .unwrap();
-        store
-            .revoke_key("batch", UnixMs(7), "ops", &audit_entry("key", "batch", "revoked"))
-            .await
-            .unwrap();
-        assert!(matches!(
-            store
-                .revoke_key("batch", UnixMs(8), "ops", &audit_entry("key", "batch", "revoked"))
-                .await,
-            Err(crate::Error::NotFound)
-        ));
-        let a = store.accounts().await.unwrap();
-        assert_eq!(a.keys.len(), 1);
-        assert_eq!((a.keys[0].revoked_at, a.keys[0].rpm), (Some(UnixMs(7)), Some(60)));
-        assert_eq!(a.key_spend[0].spend_limit_usd, Some(2.5));
-        assert!(a.key_spend[0].limit_set);
-        assert_eq!(ledger.audit(Some("key"), Some("batch"), 10).await.unwrap().len(), 3);
-        ledger.close(Duration::from_secs(1)).await.unwrap();
-    }
-
-    #[tokio::test]
-    async fn n1_duplicates_count_keys_that_completed_twice_and_prune_keeps_unknowns() {
-        // spec: N1, I6
-        let dir = tempfile::tempdir().unwrap();
-        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
-        // One key completed twice (what must never happen), one failed then completed.
-        for (n, (key, state)) in [
-            ("dup", RequestState::Done),
-            ("dup", RequestState::Done),
-            ("ok", RequestState::Failed),
-            ("ok", RequestState::Done),
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            ledger
-                .put_request(keyed_rec(&id_at(10_000 + n as i64, n as u64), state, key, 10_000))
-                .await
-                .unwrap();
+            assert_eq!(credits - spent, 20.0);
+            assert_eq!(ledger.audit(Some("owner"), Some("team"), 5).await.unwrap().len(), 1);
+            ledger.close(Duration::from_secs(1)).await.unwrap();
         }
-        ledger
-            .put_request(rec(&id_at(10_010, 9), RequestState::Unknown))
-            .await
-            .unwrap();
-        ledger.flush().await.unwrap();
-        let fig = ledger.figures(UnixMs(0)).await.unwrap();
-        assert_eq!(fig.duplicates, 1);
-        assert_eq!(fig.duplicates_by_route[0].route, "openai/gpt-4o-mini");
-        assert_eq!(ledger.figures(UnixMs(20_000)).await.unwrap().duplicates, 0);
-        // A key still inside its window keeps its requests (else a repeat would run again).
-        let report = ledger
-            .prune(UnixMs(0), Some(UnixMs(20_000)), UnixMs(10_000), false)
-            .await
-            .unwrap();
-        assert_eq!(report.requests, 0);
-        // Finished requests before the cut-off go; the unknown one stays for its owner.
-        let report = ledger
-            .prune(UnixMs(0), Some(UnixMs(20_000)), UnixMs(10_001), true)
-            .await
-            .unwrap();
-        assert_eq!((report.requests, report.attempts), (4, 0));
-        assert_eq!(ledger.unknowns(10).await.unwrap().len(), 1);
-        assert!(report.bytes_after > 0);
-        ledger.close(Duration::from_secs(1)).await.unwrap();
     }
 
-    #[tokio::test]
-    async fn g4_control_state_and_audit_survive_a_reopen() {
-        // spec: G4, D5
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("l.db");
-        let entry = |subject: &str, action: &str| crate::AuditEntry {
-            id: 0,
-            at: UnixMs(1_000),
-            kind: "breaker".into(),
-            subject: subject.into(),
-            actor: "gateway".into(),
-            action: action.into(),
-            trigger: Some("server_errors".into()),
-            reason: "25 of the last 50 attempts failed".into(),
-            figures: Some(r#"[{"name":"failed_attempts","value":25.0}]"#.into()),
-        };
-        {
-            let ledger = Ledger::open_sqlite(&path).await.unwrap();
-            let state = |s: &str| crate::ControlState {
-                kind: "breaker".into(),
-                subject: "openai/m".into(),
-                state: s.into(),
-                updated_at: UnixMs(1_000),
+    both_backends! {
+        async fn b5_made_keys_keep_a_hash_revoke_once_and_limits_are_recorded(db) {
+            // spec: B5, B3
+            let ledger = db.ledger().await;
+            let store = ledger.store();
+            let key = crate::StoredKey {
+                name: "batch".into(),
+                owner: "team".into(),
+                secret_sha256: "ab".repeat(32),
+                hint: "sk-sw-1234".into(),
+                rpm: Some(60),
+                max_concurrency: None,
+                created_at: UnixMs(5),
+                created_by: "ops".into(),
+                revoked_at: None,
+                revoked_by: None,
             };
-            ledger
-                .record_transition(Some(&state("{\"v\":1}")), &entry("openai/m", "closed->open"))
+            store
+                .create_key(&key, None, &audit_entry("key", "batch", "created"))
                 .await
                 .unwrap();
-            ledger
-                .record_transition(Some(&state("{\"v\":2}")), &entry("openai/m", "open->probation"))
+            assert!(matches!(
+                store
+                    .create_key(&key, Some(1.0), &audit_entry("key", "batch", "created"))
+                    .await,
+                Err(crate::Error::Conflict(_))
+            ));
+            store
+                .set_spend_limit(
+                    "batch",
+                    Some(2.5),
+                    UnixMs(6),
+                    "ops",
+                    &audit_entry("key", "batch", "limit"),
+                )
                 .await
                 .unwrap();
-            ledger
-                .record_transition(None, &entry("openai/other", "closed->open"))
+            store
+                .revoke_key("batch", UnixMs(7), "ops", &audit_entry("key", "batch", "revoked"))
                 .await
                 .unwrap();
-            ledger.close(Duration::from_secs(5)).await.unwrap();
+            assert!(matches!(
+                store
+                    .revoke_key("batch", UnixMs(8), "ops", &audit_entry("key", "batch", "revoked"))
+                    .await,
+                Err(crate::Error::NotFound)
+            ));
+            let a = store.accounts().await.unwrap();
+            assert_eq!(a.keys.len(), 1);
+            assert_eq!((a.keys[0].revoked_at, a.keys[0].rpm), (Some(UnixMs(7)), Some(60)));
+            assert_eq!(a.key_spend[0].spend_limit_usd, Some(2.5));
+            assert!(a.key_spend[0].limit_set);
+            assert_eq!(ledger.audit(Some("key"), Some("batch"), 10).await.unwrap().len(), 3);
+            ledger.close(Duration::from_secs(1)).await.unwrap();
         }
-        let ledger = Ledger::open_sqlite(&path).await.unwrap();
-        let states = ledger.control_states().await.unwrap();
-        assert_eq!(states.len(), 1, "one row per subject, the latest");
-        assert_eq!(states[0].state, "{\"v\":2}");
-        let all = ledger.audit(None, None, 10).await.unwrap();
-        assert_eq!(all.len(), 3);
-        assert_eq!(all[0].subject, "openai/other", "newest first");
-        let mine = ledger.audit(Some("breaker"), Some("openai/m"), 10).await.unwrap();
-        assert_eq!(
-            mine.iter().map(|e| e.action.as_str()).collect::<Vec<_>>(),
-            ["open->probation", "closed->open"]
-        );
-        assert_eq!(
-            mine[0].figures.as_deref(),
-            Some(r#"[{"name":"failed_attempts","value":25.0}]"#)
-        );
     }
 
-    /// A real SQLite store that can be made to refuse commits, as a full or read-only disk
-    /// would, and that can be slowed down to saturate the queue.
+    both_backends! {
+        async fn n1_duplicates_count_keys_that_completed_twice_and_prune_keeps_unknowns(db) {
+            // spec: N1, I6
+            let ledger = db.ledger().await;
+            // One key completed twice (what must never happen), one failed then completed.
+            for (n, (key, state)) in [
+                ("dup", RequestState::Done),
+                ("dup", RequestState::Done),
+                ("ok", RequestState::Failed),
+                ("ok", RequestState::Done),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                ledger
+                    .put_request(keyed_rec(&id_at(10_000 + n as i64, n as u64), state, key, 10_000))
+                    .await
+                    .unwrap();
+            }
+            ledger
+                .put_request(rec(&id_at(10_010, 9), RequestState::Unknown))
+                .await
+                .unwrap();
+            ledger.flush().await.unwrap();
+            let fig = ledger.figures(UnixMs(0)).await.unwrap();
+            assert_eq!(fig.duplicates, 1);
+            assert_eq!(fig.duplicates_by_route[0].route, "openai/gpt-4o-mini");
+            assert_eq!(ledger.figures(UnixMs(20_000)).await.unwrap().duplicates, 0);
+            // A key still inside its window keeps its requests (else a repeat would run again).
+            let report = ledger
+                .prune(UnixMs(0), Some(UnixMs(20_000)), UnixMs(10_000), false)
+                .await
+                .unwrap();
+            assert_eq!(report.requests, 0);
+            // Finished requests before the cut-off go; the unknown one stays for its owner.
+            let report = ledger
+                .prune(UnixMs(0), Some(UnixMs(20_000)), UnixMs(10_001), true)
+                .await
+                .unwrap();
+            assert_eq!((report.requests, report.attempts), (4, 0));
+            assert_eq!(ledger.unknowns(10).await.unwrap().len(), 1);
+            assert!(report.bytes_after > 0);
+            ledger.close(Duration::from_secs(1)).await.unwrap();
+        }
+    }
+
+    both_backends! {
+        async fn g4_control_state_and_audit_survive_a_reopen(db) {
+            // spec: G4, D5
+            let entry = |subject: &str, action: &str| crate::AuditEntry {
+                id: 0,
+                at: UnixMs(1_000),
+                kind: "breaker".into(),
+                subject: subject.into(),
+                actor: "gateway".into(),
+                action: action.into(),
+                trigger: Some("server_errors".into()),
+                reason: "25 of the last 50 attempts failed".into(),
+                figures: Some(r#"[{"name":"failed_attempts","value":25.0}]"#.into()),
+            };
+            {
+                let ledger = db.ledger().await;
+                let state = |s: &str| crate::ControlState {
+                    kind: "breaker".into(),
+                    subject: "openai/m".into(),
+                    state: s.into(),
+                    updated_at: UnixMs(1_000),
+                };
+                ledger
+                    .record_transition(Some(&state("{\"v\":1}")), &entry("openai/m", "closed->open"))
+                    .await
+                    .unwrap();
+                ledger
+                    .record_transition(Some(&state("{\"v\":2}")), &entry("openai/m", "open->probation"))
+                    .await
+                    .unwrap();
+                ledger
+                    .record_transition(None, &entry("openai/other", "closed->open"))
+                    .await
+                    .unwrap();
+                ledger.close(Duration::from_secs(5)).await.unwrap();
+            }
+            let ledger = db.ledger().await;
+            let states = ledger.control_states().await.unwrap();
+            assert_eq!(states.len(), 1, "one row per subject, the latest");
+            assert_eq!(states[0].state, "{\"v\":2}");
+            let all = ledger.audit(None, None, 10).await.unwrap();
+            assert_eq!(all.len(), 3);
+            assert_eq!(all[0].subject, "openai/other", "newest first");
+            let mine = ledger.audit(Some("breaker"), Some("openai/m"), 10).await.unwrap();
+            assert_eq!(
+                mine.iter().map(|e| e.action.as_str()).collect::<Vec<_>>(),
+                ["open->probation", "closed->open"]
+            );
+            assert_eq!(
+                mine[0].figures.as_deref(),
+                Some(r#"[{"name":"failed_attempts","value":25.0}]"#)
+            );
+        }
+    }
+
+    /// A job of gateway key `app` in `state`, due at `ready_at`, last changed at `updated_at`.
+    fn job(id: &str, state: &str, ready_at: i64, updated_at: i64) -> JobRecord {
+        JobRecord {
+            id: id.into(),
+            key_name: "app".into(),
+            owner: "team-a".into(),
+            idempotency_key: format!("job:{id}"),
+            workflow: "default".into(),
+            policy_version: "v1".into(),
+            format: "openai".into(),
+            api: "chat".into(),
+            path: "/v1/chat/completions".into(),
+            endpoint: "/v1/chat/completions".into(),
+            headers: "{}".into(),
+            body: Some(JOB_BODY.to_vec()),
+            body_sha256: "ab".into(),
+            route: "openai/gpt-4o-mini".into(),
+            requested_model: "gpt-4o-mini".into(),
+            priority: "normal".into(),
+            lane: Some("background_retry".into()),
+            state: state.into(),
+            max_attempts: 3,
+            created_at: UnixMs(ready_at),
+            ready_at: UnixMs(ready_at),
+            expires_at: UnixMs(ready_at + 86_400_000),
+            updated_at: UnixMs(updated_at),
+            ..JobRecord::default()
+        }
+    }
+
+    const JOB_BODY: &[u8] = br#"{"model":"gpt-4o-mini","messages":[]}"#;
+
+    /// Job `id` leased to `instance` at `at` for 30 s, when it gets it.
+    async fn lease(store: &dyn LedgerBackend, id: &str, instance: &str, at: i64) -> Option<JobRecord> {
+        store
+            .lease_job(id, instance, UnixMs(at), UnixMs(at + 30_000))
+            .await
+            .unwrap()
+    }
+
+    both_backends! {
+        async fn j2_a_job_keeps_its_body_and_its_runs_and_policy_versions_are_kept_once(db) {
+            // spec: J2, J8
+            let ledger = db.ledger().await;
+            let store = ledger.store();
+            let run = id_at(2_000, 1);
+            let mut queued = job("job-1", "queued", 1_000, 1_000);
+            queued.request_ids = vec![run.clone()];
+            store
+                .save_jobs(&[queued.clone()], &[audit_entry("job", "job-1", "submitted")])
+                .await
+                .unwrap();
+            assert_eq!(store.open_jobs().await.unwrap().len(), 1);
+            // A save without the body keeps the stored one.
+            let mut done = queued;
+            done.body = None;
+            done.lane = None;
+            done.state = "succeeded".into();
+            done.updated_at = UnixMs(3_000);
+            done.result_status = Some(200);
+            done.result_content_type = Some("application/json".into());
+            done.result = Some(br#"{"ok":true}"#.to_vec());
+            store.save_jobs(&[done], &[]).await.unwrap();
+            let got = store.job("job-1").await.unwrap().unwrap();
+            assert_eq!(got.body.as_deref(), Some(JOB_BODY));
+            assert_eq!(
+                (got.state.as_str(), got.result.as_deref(), got.request_ids.clone()),
+                ("succeeded", Some(&br#"{"ok":true}"#[..]), vec![run.clone()])
+            );
+            let by_key = store.job_by_key("app", "job:job-1").await.unwrap().unwrap();
+            assert_eq!(by_key.id, "job-1");
+            assert!(store.open_jobs().await.unwrap().is_empty());
+            let recent = store.recent_jobs(10).await.unwrap();
+            assert_eq!(
+                (recent.len(), recent[0].body.is_none()),
+                (1, true),
+                "listed without bodies"
+            );
+            assert_eq!(ledger.audit(Some("job"), Some("job-1"), 10).await.unwrap().len(), 1);
+            // Its runs are its evidence.
+            let mut r = rec(&run, RequestState::Done);
+            r.job_id = Some("job-1".into());
+            ledger.put_request(r).await.unwrap();
+            ledger.flush().await.unwrap();
+            let runs = store.job_requests("job-1").await.unwrap();
+            assert_eq!(runs.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(), [run.as_str()]);
+            // J8: each version recorded once, newest first.
+            let version = |v: &str, at: i64| crate::PolicyVersion {
+                workflow: "default".into(),
+                version: v.into(),
+                source: "built-in".into(),
+                text: format!("version: {v}\n"),
+                loaded_at: UnixMs(at),
+            };
+            assert!(store.save_policy_version(&version("v1", 1_000)).await.unwrap());
+            assert!(
+                !store.save_policy_version(&version("v1", 2_000)).await.unwrap(),
+                "known"
+            );
+            assert!(store.save_policy_version(&version("v2", 3_000)).await.unwrap());
+            assert_eq!(
+                store.policy_versions(Some("default")).await.unwrap(),
+                [version("v2", 3_000), version("v1", 1_000)]
+            );
+            assert!(store.policy_versions(Some("other")).await.unwrap().is_empty());
+            ledger.close(Duration::from_secs(1)).await.unwrap();
+        }
+    }
+
+    both_backends! {
+        async fn o1_a_recovery_run_and_its_evidence_are_kept(db) {
+            // spec: O1
+            let ledger = db.ledger().await;
+            let store = ledger.store();
+            let mut run = crate::RecoveryRow {
+                id: "rec-1".into(),
+                route: "openai/gpt-4o-mini".into(),
+                drill: None,
+                step: "detected".into(),
+                opened_at: UnixMs(5_000),
+                closed_at: None,
+                body: "{}".into(),
+            };
+            store
+                .save_recovery(&run, &[audit_entry("recovery", "rec-1", "opened")])
+                .await
+                .unwrap();
+            assert_eq!(store.recoveries(10).await.unwrap(), [run.clone()]);
+            run.step = "closed".into();
+            run.closed_at = Some(UnixMs(6_000));
+            run.body = r#"{"closed":true}"#.into();
+            store.save_recovery(&run, &[]).await.unwrap();
+            assert_eq!(store.recoveries(10).await.unwrap(), [run]);
+            let bundle = b"PK\x03\x04\x00\xff evidence";
+            store.save_evidence("rec-1", bundle).await.unwrap();
+            assert_eq!(store.evidence("rec-1").await.unwrap().as_deref(), Some(&bundle[..]));
+            assert!(store.evidence("rec-2").await.unwrap().is_none());
+            assert_eq!(ledger.audit(Some("recovery"), None, 10).await.unwrap().len(), 1);
+            ledger.close(Duration::from_secs(1)).await.unwrap();
+        }
+    }
+
+    both_backends! {
+        async fn r1_a_job_is_leased_to_one_instance_at_a_time(db) {
+            // spec: R1
+            let store = db.backend().await;
+            let store = &*store;
+            let now = 1_790_000_000_000i64;
+            store
+                .save_jobs(
+                    &[
+                        job("j1", "queued", now - 1_000, now - 1_000),
+                        job("later", "queued", now + 60_000, now - 1_000),
+                    ],
+                    &[],
+                )
+                .await
+                .unwrap();
+            let got = lease(store, "j1", "a", now)
+                .await
+                .expect("a queued job that is due is leased");
+            assert_eq!(got.body.as_deref(), Some(JOB_BODY), "with its body");
+            assert!(lease(store, "j1", "b", now + 1).await.is_none(), "a holds it");
+            assert!(
+                lease(store, "j1", "a", now + 2).await.is_some(),
+                "a renews its own lease"
+            );
+            assert!(
+                lease(store, "j1", "b", now + 29_000).await.is_none(),
+                "renewed until now + 30_002"
+            );
+            assert!(
+                lease(store, "j1", "b", now + 31_000).await.is_some(),
+                "a's lease expired: b takes it"
+            );
+            assert!(lease(store, "j1", "a", now + 31_001).await.is_none(), "b holds it now");
+            assert!(lease(store, "later", "a", now).await.is_none(), "not due yet");
+            // b's run ends: the save takes the job out of the queue and releases the lease.
+            let mut done = job("j1", "succeeded", now - 1_000, now + 40_000);
+            done.lane = None;
+            store.save_jobs(&[done], &[]).await.unwrap();
+            assert!(
+                lease(store, "j1", "b", now + 41_000).await.is_none(),
+                "no longer queued"
+            );
+            assert!(
+                lease(store, "j1", "c", now + 100_000).await.is_none(),
+                "no longer queued"
+            );
+            // A stale copy (an older state, saved late) does not overwrite the newer one.
+            store
+                .save_jobs(&[job("j1", "queued", now - 1_000, now + 10_000)], &[])
+                .await
+                .unwrap();
+            let stored = store.job("j1").await.unwrap().unwrap();
+            assert_eq!(
+                (stored.state.as_str(), stored.updated_at),
+                ("succeeded", UnixMs(now + 40_000))
+            );
+            assert!(
+                lease(store, "j1", "c", now + 100_000).await.is_none(),
+                "still not queued"
+            );
+        }
+    }
+
+    both_backends! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn r1_many_contenders_lease_a_job_once(db) {
+            // spec: R1
+            // Sixteen instances race for one due job, each through its own store (its own
+            // pool of connections). A SQLite ledger belongs to one process (its lock file
+            // refuses a second store), so there the contenders share the one store.
+            let first = db.backend().await;
+            let now = 1_790_000_000_000i64;
+            first
+                .save_jobs(&[job("j1", "queued", now - 1_000, now - 1_000)], &[])
+                .await
+                .unwrap();
+            let mut stores = Vec::new();
+            for _ in 0..16 {
+                stores.push(match db.kind {
+                    Kind::Sqlite => first.clone(),
+                    Kind::Postgres => db.backend().await,
+                });
+            }
+            let start = Arc::new(tokio::sync::Barrier::new(stores.len()));
+            let mut racers = Vec::new();
+            for (n, store) in stores.into_iter().enumerate() {
+                let start = start.clone();
+                racers.push(tokio::spawn(async move {
+                    start.wait().await;
+                    lease(&*store, "j1", &format!("i{n}"), now).await
+                }));
+            }
+            let mut winners = Vec::new();
+            for (n, racer) in racers.into_iter().enumerate() {
+                if let Some(j) = racer.await.unwrap() {
+                    assert_eq!(j.body.as_deref(), Some(JOB_BODY));
+                    winners.push(n);
+                }
+            }
+            assert_eq!(winners.len(), 1, "leased to {winners:?}");
+        }
+    }
+
+    both_backends! {
+        async fn r1_a_dead_instances_calling_api_rows_become_unknown_for_a_survivor(db) {
+            // spec: R1, I4
+            // Instance a writes requests and leases a job, then dies; b survives it. On
+            // PostgreSQL each request row names the instance that wrote it. A SQLite ledger
+            // has one instance and names none: there a take-over leaves requests alone (its
+            // own restart marks them unknown, I4) but still stops the dead instance and
+            // releases its leases.
+            let t0 = 1_790_000_000_000i64;
+            let instance = |id: &str, heartbeat_at: i64| InstanceRow {
+                id: id.into(),
+                boot: format!("boot-{id}"),
+                listen: "127.0.0.1:8080".into(),
+                version: "test".into(),
+                started_at: UnixMs(t0 - 60_000),
+                heartbeat_at: UnixMs(heartbeat_at),
+                load: "{}".into(),
+                ..InstanceRow::default()
+            };
+            let a = db.ledger_as("a").await;
+            a.store()
+                .heartbeat(&instance("a", t0), UnixMs(t0 + 30_000))
+                .await
+                .unwrap();
+            let (calling, done) = (id_at(t0, 1), id_at(t0, 2));
+            a.put_request_durable(rec(&calling, RequestState::CallingApi))
+                .await
+                .unwrap();
+            a.put_request_durable(rec(&done, RequestState::Done)).await.unwrap();
+            a.store()
+                .save_jobs(&[job("j1", "queued", t0 - 1_000, t0 - 1_000)], &[])
+                .await
+                .unwrap();
+            assert!(lease(a.store(), "j1", "a", t0).await.is_some());
+            // a is never closed: it crashed. b opens the ledger beside it (on SQLite, one
+            // process holds the ledger: b works through the same store).
+            let b = match db.kind {
+                Kind::Postgres => db.ledger_as("b").await,
+                Kind::Sqlite => a.clone(),
+            };
+            b.store()
+                .heartbeat(&instance("b", t0 + 20_000), UnixMs(t0 + 50_000))
+                .await
+                .unwrap();
+            assert!(lease(b.store(), "j1", "b", t0 + 20_000).await.is_none(), "a holds it");
+            let unknowns = match db.kind {
+                Kind::Postgres => 1,
+                Kind::Sqlite => 0,
+            };
+            let took = b
+                .store()
+                .take_over("b", UnixMs(t0 + 10_000), UnixMs(t0 + 20_000))
+                .await
+                .unwrap();
+            assert_eq!(
+                took,
+                [TakeOver {
+                    instance: "a".into(),
+                    unknowns,
+                    jobs: vec!["j1".into()],
+                }]
+            );
+            let calling_now = b.get_request(&calling).await.unwrap().unwrap().state;
+            match db.kind {
+                Kind::Postgres => assert_eq!(calling_now, RequestState::Unknown, "never re-run: for an owner"),
+                Kind::Sqlite => assert_eq!(calling_now, RequestState::CallingApi),
+            }
+            assert_eq!(b.get_request(&done).await.unwrap().unwrap().state, RequestState::Done);
+            // Its lease is released: b may run the job (the jobs runner decides whether it does).
+            assert!(lease(b.store(), "j1", "b", t0 + 20_000).await.is_some());
+            // Taken over once.
+            assert!(
+                b.store()
+                    .take_over("b", UnixMs(t0 + 10_000), UnixMs(t0 + 21_000))
+                    .await
+                    .unwrap()
+                    .is_empty()
+            );
+            let instances = b.store().instances().await.unwrap();
+            let dead = instances.iter().find(|i| i.id == "a").expect("a is listed");
+            assert!(dead.stopped_at.is_some());
+            assert_eq!((dead.taken_over_by.as_deref(), dead.unknowns), (Some("b"), unknowns));
+            let alive = instances.iter().find(|i| i.id == "b").expect("b is listed");
+            assert_eq!(
+                (alive.stopped_at, alive.taken_over_by.as_deref(), alive.heartbeat_at),
+                (None, None, UnixMs(t0 + 20_000))
+            );
+            assert_eq!(instances[0].id, "b", "live ones first");
+            b.close(Duration::from_secs(1)).await.unwrap();
+        }
+    }
+
+    /// A real store that can be made to refuse commits, as a full or read-only disk would,
+    /// and that can be slowed down to saturate the queue.
     struct Faulty {
-        inner: SqliteBackend,
+        inner: Arc<dyn LedgerBackend>,
         refuse: AtomicBool,
         commits: AtomicUsize,
         slow: Option<Duration>,
@@ -1509,9 +1893,9 @@ mod tests {
         }
     }
 
-    async fn faulty(dir: &Path, slow: Option<Duration>, depth: usize) -> (Ledger, Arc<Faulty>) {
+    async fn faulty(db: &TestDb, slow: Option<Duration>, depth: usize) -> (Ledger, Arc<Faulty>) {
         let backend = Arc::new(Faulty {
-            inner: SqliteBackend::open(&dir.join("l.db")).await.unwrap(),
+            inner: db.backend().await,
             refuse: AtomicBool::new(false),
             commits: AtomicUsize::new(0),
             slow,
@@ -1519,100 +1903,103 @@ mod tests {
         (Ledger::start_with_depth(backend.clone(), depth), backend)
     }
 
-    #[tokio::test]
-    async fn a_refusing_store_spools_reports_and_recovers() {
-        let dir = tempfile::tempdir().unwrap();
-        let (ledger, store) = faulty(dir.path(), None, QUEUE_DEPTH).await;
-        let mut health = ledger.watch_health();
-        assert!(ledger.health().ok);
-        store.refuse.store(true, Ordering::SeqCst);
-        // The first durable write meets the refusal and is not acknowledged.
-        let e = ledger
-            .put_request_durable(rec("r1", RequestState::CallingApi))
-            .await
-            .unwrap_err();
-        assert!(e.to_string().contains("disk is full"), "{e}");
-        health.wait_for(|h| !h.ok).await.unwrap();
-        let h = ledger.health();
-        assert!(h.failing_since.is_some() && h.error.as_deref() == Some("database or disk is full"));
-        // Later durable writes are refused at once, without waiting for a commit.
-        assert!(
-            tokio::time::timeout(
-                Duration::from_millis(100),
-                ledger.put_request_durable(rec("r2", RequestState::CallingApi))
-            )
-            .await
-            .expect("refused at once")
-            .is_err()
-        );
-        // Finished records wait in the spool...
-        ledger.enqueue_request(rec("r1", RequestState::Failed));
-        let mut att = AttemptRecord::started("r3", 1, "a", UnixMs(5));
-        att.error_class = ErrorClass::Success;
-        ledger.put_attempt(att).await.unwrap();
-        ledger.put_request(rec("r3", RequestState::Done)).await.unwrap();
-        health.wait_for(|h| h.waiting >= 3).await.unwrap();
-        assert!(ledger.get_request("r3").await.unwrap().is_none());
-        // ...and are written when the store takes commits again.
-        store.refuse.store(false, Ordering::SeqCst);
-        health.wait_for(|h| h.ok).await.unwrap();
-        ledger.flush().await.unwrap();
-        assert_eq!(
-            ledger.get_request("r3").await.unwrap().unwrap().state,
-            RequestState::Done
-        );
-        assert_eq!(
-            ledger.get_request("r1").await.unwrap().unwrap().state,
-            RequestState::Failed
-        );
-        assert_eq!(ledger.attempts("r3").await.unwrap().len(), 1);
-        assert_eq!(ledger.health(), LedgerHealth::healthy());
+    both_backends! {
+        async fn a_refusing_store_spools_reports_and_recovers(db) {
+            let (ledger, store) = faulty(&db, None, QUEUE_DEPTH).await;
+            let mut health = ledger.watch_health();
+            assert!(ledger.health().ok);
+            store.refuse.store(true, Ordering::SeqCst);
+            // The first durable write meets the refusal and is not acknowledged.
+            let e = ledger
+                .put_request_durable(rec("r1", RequestState::CallingApi))
+                .await
+                .unwrap_err();
+            assert!(e.to_string().contains("disk is full"), "{e}");
+            health.wait_for(|h| !h.ok).await.unwrap();
+            let h = ledger.health();
+            assert!(h.failing_since.is_some() && h.error.as_deref() == Some("database or disk is full"));
+            // Later durable writes are refused at once, without waiting for a commit.
+            assert!(
+                tokio::time::timeout(
+                    Duration::from_millis(100),
+                    ledger.put_request_durable(rec("r2", RequestState::CallingApi))
+                )
+                .await
+                .expect("refused at once")
+                .is_err()
+            );
+            // Finished records wait in the spool...
+            ledger.enqueue_request(rec("r1", RequestState::Failed));
+            let mut att = AttemptRecord::started("r3", 1, "a", UnixMs(5));
+            att.error_class = ErrorClass::Success;
+            ledger.put_attempt(att).await.unwrap();
+            ledger.put_request(rec("r3", RequestState::Done)).await.unwrap();
+            health.wait_for(|h| h.waiting >= 3).await.unwrap();
+            assert!(ledger.get_request("r3").await.unwrap().is_none());
+            // ...and are written when the store takes commits again.
+            store.refuse.store(false, Ordering::SeqCst);
+            health.wait_for(|h| h.ok).await.unwrap();
+            ledger.flush().await.unwrap();
+            assert_eq!(
+                ledger.get_request("r3").await.unwrap().unwrap().state,
+                RequestState::Done
+            );
+            assert_eq!(
+                ledger.get_request("r1").await.unwrap().unwrap().state,
+                RequestState::Failed
+            );
+            assert_eq!(ledger.attempts("r3").await.unwrap().len(), 1);
+            assert_eq!(ledger.health(), LedgerHealth::healthy());
+        }
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn i3_a_durable_write_is_acknowledged_only_after_its_commit_and_shares_it() {
-        // spec: I3
-        // Commits take 50 ms (the store syncs inside its commit): a durable put waits for
-        // the commit that holds it, and writes that come meanwhile share the next one.
-        let dir = tempfile::tempdir().unwrap();
-        let (ledger, backend) = faulty(dir.path(), Some(Duration::from_millis(50)), QUEUE_DEPTH).await;
-        let t = std::time::Instant::now();
-        ledger
-            .put_request_durable(rec("first", RequestState::CallingApi))
-            .await
-            .unwrap();
-        assert!(
-            t.elapsed() >= Duration::from_millis(50),
-            "acknowledged before its commit"
-        );
-        assert_eq!(backend.commits.load(Ordering::SeqCst), 1);
-        assert_eq!(
-            ledger.get_request("first").await.unwrap().unwrap().state,
-            RequestState::CallingApi,
-            "acknowledged, so readable"
-        );
-        let mut puts = Vec::new();
-        for n in 0..200 {
-            let l = ledger.clone();
-            puts.push(tokio::spawn(async move {
-                l.put_request_durable(rec(&format!("r{n}"), RequestState::CallingApi))
-                    .await
-            }));
+    both_backends! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn i3_a_durable_write_is_acknowledged_only_after_its_commit_and_shares_it(db) {
+            // spec: I3
+            // Commits take 50 ms (the store syncs inside its commit): a durable put waits for
+            // the commit that holds it, and writes that come meanwhile share the next one.
+            let (ledger, backend) = faulty(&db, Some(Duration::from_millis(50)), QUEUE_DEPTH).await;
+            let t = std::time::Instant::now();
+            ledger
+                .put_request_durable(rec("first", RequestState::CallingApi))
+                .await
+                .unwrap();
+            assert!(
+                t.elapsed() >= Duration::from_millis(50),
+                "acknowledged before its commit"
+            );
+            assert_eq!(backend.commits.load(Ordering::SeqCst), 1);
+            assert_eq!(
+                ledger.get_request("first").await.unwrap().unwrap().state,
+                RequestState::CallingApi,
+                "acknowledged, so readable"
+            );
+            let mut puts = Vec::new();
+            for n in 0..200 {
+                let l = ledger.clone();
+                puts.push(tokio::spawn(async move {
+                    l.put_request_durable(rec(&format!("r{n}"), RequestState::CallingApi))
+                        .await
+                }));
+            }
+            for p in puts {
+                p.await.unwrap().unwrap();
+            }
+            let commits = backend.commits.load(Ordering::SeqCst);
+            assert!(commits < 40, "200 durable writes shared their commits ({commits})");
+            ledger.close(Duration::from_secs(1)).await.unwrap();
         }
-        for p in puts {
-            p.await.unwrap().unwrap();
-        }
-        let commits = backend.commits.load(Ordering::SeqCst);
-        assert!(commits < 40, "200 durable writes shared their commits ({commits})");
-        ledger.close(Duration::from_secs(1)).await.unwrap();
     }
 
+    // SQLite only: the paused clock would also run out a network store's own timers
+    // (connecting, taking a pooled connection) while it waits on its socket.
     #[tokio::test]
     async fn fire_and_forget_writes_ride_with_a_durable_one_or_go_at_the_deadline() {
         // A request's end and its attempts do not pay for a commit of their own while
         // durable writes come, and are never held past twice the linger deadline.
-        let dir = tempfile::tempdir().unwrap();
-        let (ledger, backend) = faulty(dir.path(), None, QUEUE_DEPTH).await;
+        let db = TestDb::sqlite().await;
+        let (ledger, backend) = faulty(&db, None, QUEUE_DEPTH).await;
         // The store's own connections keep real time; the writer's deadline is on the
         // paused clock from here.
         tokio::time::pause();
@@ -1651,132 +2038,136 @@ mod tests {
         ledger.close(Duration::from_secs(1)).await.unwrap();
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_saturated_queue_keeps_every_request_in_order() {
-        // A slow store (every commit 5 ms) and a short queue under thousands of requests
-        // writing their states back to back, from code that waits and from code that
-        // cannot: the queue fills, writers are held back, and every request still ends in
-        // its last state.
-        let dir = tempfile::tempdir().unwrap();
-        let (ledger, store) = faulty(dir.path(), Some(Duration::from_millis(5)), 64).await;
-        let mut handles = Vec::new();
-        for n in 0..3000 {
-            let l = ledger.clone();
-            handles.push(tokio::spawn(async move {
-                let id = format!("r{n}");
-                l.put_request(rec(&id, RequestState::Received)).await.unwrap();
-                l.put_request_durable(rec(&id, RequestState::CallingApi)).await.unwrap();
-                let mut again = rec(&id, RequestState::CallingApi);
-                again.attempts = 2;
-                l.put_request(again).await.unwrap();
-                // The end as a stream records it: synchronously, from `drop`.
-                l.enqueue_request(rec(
-                    &id,
-                    if n % 3 == 0 {
-                        RequestState::Failed
-                    } else {
-                        RequestState::Done
-                    },
-                ));
-            }));
-        }
-        for h in handles {
-            h.await.unwrap();
-        }
-        ledger.flush().await.unwrap();
-        for n in 0..3000 {
-            let got = ledger.get_request(&format!("r{n}")).await.unwrap().unwrap();
-            let want = if n % 3 == 0 {
-                RequestState::Failed
-            } else {
-                RequestState::Done
-            };
-            assert_eq!(got.state, want, "r{n}");
-        }
-        assert!(
-            store.commits.load(Ordering::SeqCst) < 3000,
-            "writes were group-committed"
-        );
-        assert!(
-            ledger.queue.held_back.load(Ordering::Relaxed) > 0,
-            "the queue was full and held writers back"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_stored_response_is_found_by_its_id_for_its_own_key_after_a_reopen() {
-        // spec: I1
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("l.db");
-        let ledger = Ledger::open_sqlite(&path).await.unwrap();
-        let mut r = rec("r1", RequestState::Done);
-        r.response_id = Some("resp_abc".into());
-        r.channel = Some("openai-b".into());
-        ledger.put_request_durable(r).await.unwrap();
-        ledger.close(Duration::from_secs(1)).await.unwrap();
-        drop(ledger);
-        let ledger = Ledger::open_sqlite(&path).await.unwrap();
-        let found = ledger.by_response_id("app", "resp_abc").await.unwrap().unwrap();
-        assert_eq!((found.id.as_str(), found.channel.as_deref()), ("r1", Some("openai-b")));
-        assert!(ledger.by_response_id("other-key", "resp_abc").await.unwrap().is_none());
-        assert!(ledger.by_response_id("app", "resp_other").await.unwrap().is_none());
-    }
-
-    #[tokio::test]
-    async fn batches_of_any_size_write_every_row_and_nothing_else() {
-        // Batches are padded to a size class with rows of no kind: those must write
-        // nothing, and a batch over one statement's rows must still write all of its own.
-        let width = crate::sqlite::row_width();
-        assert!(
-            crate::sqlite::ROWS_PER_STATEMENT * width <= 32766,
-            "a full statement of {width}-value rows binds more than SQLite allows"
-        );
-        let dir = tempfile::tempdir().unwrap();
-        let backend = SqliteBackend::open(&dir.path().join("l.db")).await.unwrap();
-        let mut written = 0;
-        for n in [1usize, 3, 16, 17, 30, 40, 100, 300, 700] {
-            let reqs: Vec<_> = (0..n)
-                .map(|i| rec(&format!("b{n:04}-{i:04}"), RequestState::Done))
-                .collect();
-            let atts: Vec<_> = reqs
-                .iter()
-                .map(|r| AttemptRecord::started(&r.id, 1, "openai-a", UnixMs(2)))
-                .collect();
-            let pay = [stored(&reqs[0].id, b"{}", 9_000_000_000_000)];
-            backend.write_batch(&reqs, &atts, &pay).await.unwrap();
-            written += n;
-            let last = &reqs[n - 1].id;
-            assert_eq!(backend.get_request(last).await.unwrap().unwrap().id, *last);
-            assert_eq!(backend.attempts(last).await.unwrap().len(), 1);
-        }
-        let (mut found, mut before) = (0, None);
-        for _ in 0..10 {
-            let page = backend
-                .search(&Search {
-                    limit: Some(500),
-                    before: before.take(),
-                    ..Search::default()
-                })
-                .await
-                .unwrap();
-            found += page.items.len();
-            match page.next {
-                Some(n) => before = Some(n),
-                None => break,
+    both_backends! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_saturated_queue_keeps_every_request_in_order(db) {
+            // A slow store (every commit 5 ms) and a short queue under thousands of requests
+            // writing their states back to back, from code that waits and from code that
+            // cannot: the queue fills, writers are held back, and every request still ends in
+            // its last state.
+            let (ledger, store) = faulty(&db, Some(Duration::from_millis(5)), 64).await;
+            let mut handles = Vec::new();
+            for n in 0..3000 {
+                let l = ledger.clone();
+                handles.push(tokio::spawn(async move {
+                    let id = format!("r{n}");
+                    l.put_request(rec(&id, RequestState::Received)).await.unwrap();
+                    l.put_request_durable(rec(&id, RequestState::CallingApi)).await.unwrap();
+                    let mut again = rec(&id, RequestState::CallingApi);
+                    again.attempts = 2;
+                    l.put_request(again).await.unwrap();
+                    // The end as a stream records it: synchronously, from `drop`.
+                    l.enqueue_request(rec(
+                        &id,
+                        if n % 3 == 0 {
+                            RequestState::Failed
+                        } else {
+                            RequestState::Done
+                        },
+                    ));
+                }));
             }
+            for h in handles {
+                h.await.unwrap();
+            }
+            ledger.flush().await.unwrap();
+            for n in 0..3000 {
+                let got = ledger.get_request(&format!("r{n}")).await.unwrap().unwrap();
+                let want = if n % 3 == 0 {
+                    RequestState::Failed
+                } else {
+                    RequestState::Done
+                };
+                assert_eq!(got.state, want, "r{n}");
+            }
+            assert!(
+                store.commits.load(Ordering::SeqCst) < 3000,
+                "writes were group-committed"
+            );
+            assert!(
+                ledger.queue.held_back.load(Ordering::Relaxed) > 0,
+                "the queue was full and held writers back"
+            );
         }
-        assert_eq!(found, written, "rows of no kind wrote something, or rows went missing");
-        assert_eq!(backend.figures(UnixMs(0)).await.unwrap().payloads, 9);
     }
 
+    both_backends! {
+        async fn a_stored_response_is_found_by_its_id_for_its_own_key_after_a_reopen(db) {
+            // spec: I1
+            let ledger = db.ledger().await;
+            let mut r = rec("r1", RequestState::Done);
+            r.response_id = Some("resp_abc".into());
+            r.channel = Some("openai-b".into());
+            ledger.put_request_durable(r).await.unwrap();
+            ledger.close(Duration::from_secs(1)).await.unwrap();
+            drop(ledger);
+            let ledger = db.ledger().await;
+            let found = ledger.by_response_id("app", "resp_abc").await.unwrap().unwrap();
+            assert_eq!((found.id.as_str(), found.channel.as_deref()), ("r1", Some("openai-b")));
+            assert!(ledger.by_response_id("other-key", "resp_abc").await.unwrap().is_none());
+            assert!(ledger.by_response_id("app", "resp_other").await.unwrap().is_none());
+        }
+    }
+
+    both_backends! {
+        async fn batches_of_any_size_write_every_row_and_nothing_else(db) {
+            // SQLite pads batches to a size class with rows of no kind: those must write
+            // nothing, and a batch over one statement's rows must still write all of its own.
+            // PostgreSQL has its own limit on a statement's bound values: the same batches.
+            if db.kind == Kind::Sqlite {
+                let width = crate::sqlite::row_width();
+                assert!(
+                    crate::sqlite::ROWS_PER_STATEMENT * width <= 32766,
+                    "a full statement of {width}-value rows binds more than SQLite allows"
+                );
+            }
+            let backend = db.backend().await;
+            let mut written = 0;
+            for n in [1usize, 3, 16, 17, 30, 40, 100, 300, 700] {
+                let reqs: Vec<_> = (0..n)
+                    .map(|i| rec(&format!("b{n:04}-{i:04}"), RequestState::Done))
+                    .collect();
+                let atts: Vec<_> = reqs
+                    .iter()
+                    .map(|r| AttemptRecord::started(&r.id, 1, "openai-a", UnixMs(2)))
+                    .collect();
+                let pay = [stored(&reqs[0].id, b"{}", 9_000_000_000_000)];
+                backend.write_batch(&reqs, &atts, &pay).await.unwrap();
+                written += n;
+                let last = &reqs[n - 1].id;
+                assert_eq!(backend.get_request(last).await.unwrap().unwrap().id, *last);
+                assert_eq!(backend.attempts(last).await.unwrap().len(), 1);
+            }
+            let (mut found, mut before) = (0, None);
+            for _ in 0..10 {
+                let page = backend
+                    .search(&Search {
+                        limit: Some(500),
+                        before: before.take(),
+                        ..Search::default()
+                    })
+                    .await
+                    .unwrap();
+                found += page.items.len();
+                match page.next {
+                    Some(n) => before = Some(n),
+                    None => break,
+                }
+            }
+            assert_eq!(found, written, "rows of no kind wrote something, or rows went missing");
+            assert_eq!(backend.figures(UnixMs(0)).await.unwrap().payloads, 9);
+        }
+    }
+
+    // SQLite only: the write-ahead log and its restarts are SQLite's.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn wal_restarts_under_a_writer_that_never_pauses() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("l.db");
+        let db = TestDb::sqlite().await;
+        let path = db.path();
         let mut backend = SqliteBackend::open(&path).await.unwrap();
         backend.wal_restart_bytes = 1024 * 1024;
         let backend = Arc::new(backend);
-        let wal = dir.path().join("l.db-wal");
+        let wal = path.with_file_name("l.db-wal");
         // Commits back to back, as under saturation: a checkpoint beside this writer never
         // sees a fully checkpointed WAL at the start of a transaction on its own.
         let stop = Arc::new(AtomicBool::new(false));
@@ -1815,6 +2206,7 @@ mod tests {
 mod search_tests {
     use super::*;
     use crate::RequestState;
+    use crate::testdb::both_backends;
     use spillway_wire::Format;
 
     fn rec(ms: u64, n: u16, route: &str, state: RequestState) -> RequestRecord {
@@ -1832,121 +2224,121 @@ mod search_tests {
         r
     }
 
-    #[tokio::test]
-    async fn search_pages_filters_and_finds_ids() {
-        let dir = tempfile::tempdir().unwrap();
-        let ledger = Ledger::open_sqlite(&dir.path().join("l.db")).await.unwrap();
-        let t0 = 1_790_000_000_000u64;
-        for n in 0..120u16 {
-            let state = if n % 10 == 0 {
-                RequestState::Failed
-            } else {
-                RequestState::Done
-            };
-            let route = if n % 2 == 0 { "openai/a" } else { "openai/b" };
-            let mut r = rec(t0 + u64::from(n) * 1000, n, route, state);
-            if n == 7 {
-                r.client_request_id = Some("client-7".into());
+    both_backends! {
+        async fn search_pages_filters_and_finds_ids(db) {
+            let ledger = db.ledger().await;
+            let t0 = 1_790_000_000_000u64;
+            for n in 0..120u16 {
+                let state = if n % 10 == 0 {
+                    RequestState::Failed
+                } else {
+                    RequestState::Done
+                };
+                let route = if n % 2 == 0 { "openai/a" } else { "openai/b" };
+                let mut r = rec(t0 + u64::from(n) * 1000, n, route, state);
+                if n == 7 {
+                    r.client_request_id = Some("client-7".into());
+                }
+                if n == 8 {
+                    r.trace_id = "4bf92f3577b34da6a3ce929d0e0e4736".into();
+                }
+                if n % 40 == 3 {
+                    r.endpoint = "/v1/embeddings".into();
+                }
+                if n == 9 {
+                    r.endpoint = "/v1beta/models/{model}:batchEmbedContents".into();
+                }
+                ledger.put_request(r).await.unwrap();
             }
-            if n == 8 {
-                r.trace_id = "4bf92f3577b34da6a3ce929d0e0e4736".into();
-            }
-            if n % 40 == 3 {
-                r.endpoint = "/v1/embeddings".into();
-            }
-            if n == 9 {
-                r.endpoint = "/v1beta/models/{model}:batchEmbedContents".into();
-            }
-            ledger.put_request(r).await.unwrap();
-        }
-        ledger.flush().await.unwrap();
+            ledger.flush().await.unwrap();
 
-        let p1 = ledger
-            .search(&Search {
-                limit: Some(50),
-                ..Search::default()
-            })
-            .await
-            .unwrap();
-        assert_eq!(p1.items.len(), 50);
-        assert!(p1.items.windows(2).all(|w| w[0].id > w[1].id), "newest first");
-        let p2 = ledger
-            .search(&Search {
-                limit: Some(50),
-                before: p1.next.clone(),
-                ..Search::default()
-            })
-            .await
-            .unwrap();
-        let p3 = ledger
-            .search(&Search {
-                limit: Some(50),
-                before: p2.next.clone(),
-                ..Search::default()
-            })
-            .await
-            .unwrap();
-        assert_eq!((p2.items.len(), p3.items.len(), p3.next.clone()), (50, 20, None));
-
-        let failed_a = Search {
-            route: Some("openai/a".into()),
-            state: Some(RequestState::Failed),
-            ..Search::default()
-        };
-        assert_eq!(ledger.search(&failed_a).await.unwrap().items.len(), 12);
-
-        let range = Search {
-            from_ms: Some(UnixMs((t0 + 10_000) as i64)),
-            to_ms: Some(UnixMs((t0 + 20_000) as i64)),
-            ..Search::default()
-        };
-        assert_eq!(ledger.search(&range).await.unwrap().items.len(), 10);
-
-        let by_api = |api| Search {
-            api: Some(api),
-            ..Search::default()
-        };
-        let embeddings = ledger
-            .search(&by_api(spillway_wire::Api::Embeddings))
-            .await
-            .unwrap()
-            .items;
-        assert_eq!(embeddings.len(), 4, "3 OpenAI and 1 Gemini embedding requests");
-        assert!(
-            ledger
-                .search(&by_api(spillway_wire::Api::CountTokens))
-                .await
-                .unwrap()
-                .items
-                .is_empty()
-        );
-
-        let find = |q: &str| {
-            let l = ledger.clone();
-            let q = q.to_owned();
-            async move {
-                l.search(&Search {
-                    q: Some(q),
+            let p1 = ledger
+                .search(&Search {
+                    limit: Some(50),
                     ..Search::default()
                 })
                 .await
+                .unwrap();
+            assert_eq!(p1.items.len(), 50);
+            assert!(p1.items.windows(2).all(|w| w[0].id > w[1].id), "newest first");
+            let p2 = ledger
+                .search(&Search {
+                    limit: Some(50),
+                    before: p1.next.clone(),
+                    ..Search::default()
+                })
+                .await
+                .unwrap();
+            let p3 = ledger
+                .search(&Search {
+                    limit: Some(50),
+                    before: p2.next.clone(),
+                    ..Search::default()
+                })
+                .await
+                .unwrap();
+            assert_eq!((p2.items.len(), p3.items.len(), p3.next.clone()), (50, 20, None));
+
+            let failed_a = Search {
+                route: Some("openai/a".into()),
+                state: Some(RequestState::Failed),
+                ..Search::default()
+            };
+            assert_eq!(ledger.search(&failed_a).await.unwrap().items.len(), 12);
+
+            let range = Search {
+                from_ms: Some(UnixMs((t0 + 10_000) as i64)),
+                to_ms: Some(UnixMs((t0 + 20_000) as i64)),
+                ..Search::default()
+            };
+            assert_eq!(ledger.search(&range).await.unwrap().items.len(), 10);
+
+            let by_api = |api| Search {
+                api: Some(api),
+                ..Search::default()
+            };
+            let embeddings = ledger
+                .search(&by_api(spillway_wire::Api::Embeddings))
+                .await
                 .unwrap()
-                .items
-            }
-        };
-        let five = rec(t0 + 5000, 5, "", RequestState::Done).id;
-        assert_eq!(find(&five).await[0].id, five);
-        assert_eq!(
-            find(&five.replace('-', "")).await[0].id,
-            five,
-            "a gateway-made trace id is the request id"
-        );
-        assert_eq!(find("client-7").await.len(), 1);
-        assert_eq!(
-            find("4bf92f3577b34da6a3ce929d0e0e4736").await.len(),
-            1,
-            "client-sent trace ids are indexed"
-        );
-        assert!(find("nothing-like-this").await.is_empty());
+                .items;
+            assert_eq!(embeddings.len(), 4, "3 OpenAI and 1 Gemini embedding requests");
+            assert!(
+                ledger
+                    .search(&by_api(spillway_wire::Api::CountTokens))
+                    .await
+                    .unwrap()
+                    .items
+                    .is_empty()
+            );
+
+            let find = |q: &str| {
+                let l = ledger.clone();
+                let q = q.to_owned();
+                async move {
+                    l.search(&Search {
+                        q: Some(q),
+                        ..Search::default()
+                    })
+                    .await
+                    .unwrap()
+                    .items
+                }
+            };
+            let five = rec(t0 + 5000, 5, "", RequestState::Done).id;
+            assert_eq!(find(&five).await[0].id, five);
+            assert_eq!(
+                find(&five.replace('-', "")).await[0].id,
+                five,
+                "a gateway-made trace id is the request id"
+            );
+            assert_eq!(find("client-7").await.len(), 1);
+            assert_eq!(
+                find("4bf92f3577b34da6a3ce929d0e0e4736").await.len(),
+                1,
+                "client-sent trace ids are indexed"
+            );
+            assert!(find("nothing-like-this").await.is_empty());
+        }
     }
 }
