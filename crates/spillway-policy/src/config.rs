@@ -80,6 +80,12 @@ struct RawConfig {
     control: Option<S<RawControl>>,
     #[serde(default)]
     recovery: Option<S<RawRecovery>>,
+    /// R2: the Redis that holds a fleet's limits, breakers and retry budgets.
+    #[serde(default)]
+    redis: Option<S<String>>,
+    /// R1, R2: this instance's place in a fleet.
+    #[serde(default)]
+    fleet: Option<S<RawFleet>>,
     /// A bearer token `/metrics` asks for; without one it is open (on loopback).
     #[serde(default)]
     metrics_token: Option<S<String>>,
@@ -136,6 +142,19 @@ struct RawControl {
     breaker_cool_down_ms: Option<S<u64>>,
     #[serde(default)]
     ejection_cool_down_ms: Option<S<u64>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFleet {
+    #[serde(default)]
+    instance: Option<S<String>>,
+    #[serde(default)]
+    heartbeat_ms: Option<S<u64>>,
+    #[serde(default)]
+    stale_after_ms: Option<S<u64>>,
+    #[serde(default)]
+    expected_instances: Option<S<u32>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -292,6 +311,10 @@ pub struct Config {
     pub control: ControlSettings,
     /// O1: guided recovery's stage times, and a drill's.
     pub recovery: RecoverySettings,
+    /// R2: the Redis a fleet shares its limits, breakers and retry budgets through.
+    pub redis: Option<SecretUrl>,
+    /// R1, R2: this instance's name and the fleet's timings.
+    pub fleet: FleetSettings,
     /// The SHA-256 of the bearer token `/metrics` asks for, when set (never the token).
     pub metrics_token: Option<KeySecret>,
     /// G4: operator alerts are also POSTed here as JSON. It may carry a token, so it is
@@ -404,6 +427,67 @@ impl Default for RecoverySettings {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LedgerLocation {
     Sqlite(PathBuf),
+    /// R1: a PostgreSQL ledger a fleet shares.
+    Postgres(SecretUrl),
+}
+
+/// A URL that may carry a password (`postgres://user:secret@host/db`): its Debug and
+/// [`SecretUrl::redacted`] never show the password.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SecretUrl(pub String);
+
+impl SecretUrl {
+    /// The URL with any password replaced by `***`, for logs and the console.
+    pub fn redacted(&self) -> String {
+        let s = &self.0;
+        let Some(scheme_end) = s.find("://") else {
+            return s.clone();
+        };
+        let rest = &s[scheme_end + 3..];
+        let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let authority = &rest[..authority_end];
+        match authority.rfind('@') {
+            Some(at) => {
+                let user = &authority[..at];
+                let user = user.split_once(':').map_or(user, |(u, _)| u);
+                let pass = if authority[..at].contains(':') { ":***" } else { "" };
+                format!("{}://{user}{pass}{}", &s[..scheme_end], &rest[at..])
+            }
+            None => s.clone(),
+        }
+    }
+}
+
+impl std::fmt::Debug for SecretUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SecretUrl({})", self.redacted())
+    }
+}
+
+/// R1, R2: an instance's place in a fleet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetSettings {
+    /// The instance's name; None: `host:port` of its listener.
+    pub instance: Option<String>,
+    /// How often an instance writes its heartbeat to the shared ledger.
+    pub heartbeat_ms: u64,
+    /// An instance whose heartbeat is older than this is dead: a survivor takes its
+    /// in-flight requests over (as `unknown`) and its job leases expire.
+    pub stale_after_ms: u64,
+    /// N in "limits at 1/N while Redis is unreachable"; None: the instances the ledger
+    /// last saw alive.
+    pub expected_instances: Option<u32>,
+}
+
+impl Default for FleetSettings {
+    fn default() -> Self {
+        FleetSettings {
+            instance: None,
+            heartbeat_ms: 2_000,
+            stale_after_ms: 10_000,
+            expected_instances: None,
+        }
+    }
 }
 
 /// What the listener allows its clients (each limit bounds what a slow or hostile client
@@ -743,9 +827,23 @@ fn key_on_line(text: &str, line: u32) -> Option<String> {
 }
 
 fn parse_ledger(url: &str, base_dir: &Path) -> std::result::Result<LedgerLocation, String> {
-    let rest = url
-        .strip_prefix("sqlite://")
-        .ok_or_else(|| format!("`{url}` is not a ledger URL; expected sqlite:///path/to/ledger.db"))?;
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let u = SecretUrl(url.to_owned());
+        let after = &url[url.find("://").map_or(0, |i| i + 3)..];
+        if after.is_empty() {
+            return Err(format!(
+                "`{}` names no PostgreSQL server; expected postgres://user@host:port/database",
+                u.redacted()
+            ));
+        }
+        return Ok(LedgerLocation::Postgres(u));
+    }
+    let rest = url.strip_prefix("sqlite://").ok_or_else(|| {
+        format!(
+            "`{}` is not a ledger URL; expected sqlite:///path/to/ledger.db or postgres://user@host:port/database",
+            SecretUrl(url.to_owned()).redacted()
+        )
+    })?;
     if rest.is_empty() {
         return Err("sqlite:// needs a file path, e.g. sqlite:///var/lib/spillway/ledger.db".into());
     }
@@ -1285,6 +1383,58 @@ impl RawConfig {
             );
             recovery.relapse_ms = cx.bounded(&r.relapse_ms, "recovery.relapse_ms", 500..=600_000, d.relapse_ms);
         }
+        let redis = self.redis.as_ref().and_then(|r| {
+            let u = SecretUrl(r.value.trim().to_owned());
+            if u.0.starts_with("redis://") && u.0.len() > "redis://".len() {
+                Some(u)
+            } else {
+                cx.err(
+                    r,
+                    "redis",
+                    format!("`{}` is not a Redis URL; expected redis://host:port/db", u.redacted()),
+                );
+                None
+            }
+        });
+        let mut fleet = FleetSettings::default();
+        if let Some(f) = &self.fleet {
+            let f = &f.value;
+            let d = FleetSettings::default();
+            if let Some(i) = &f.instance {
+                if valid_name(i.value.trim()) {
+                    fleet.instance = Some(i.value.trim().to_owned());
+                } else {
+                    cx.err(
+                        i,
+                        "fleet.instance",
+                        format!("`{}` is not a name: 1-64 of A-Z a-z 0-9 - _ .", i.value),
+                    );
+                }
+            }
+            fleet.heartbeat_ms = cx.bounded(&f.heartbeat_ms, "fleet.heartbeat_ms", 100..=60_000, d.heartbeat_ms);
+            fleet.stale_after_ms = cx.bounded(
+                &f.stale_after_ms,
+                "fleet.stale_after_ms",
+                500..=600_000,
+                d.stale_after_ms,
+            );
+            if fleet.stale_after_ms < 3 * fleet.heartbeat_ms
+                && let Some(v) = f.stale_after_ms.as_ref().or(f.heartbeat_ms.as_ref())
+            {
+                cx.err(
+                    v,
+                    "fleet.stale_after_ms",
+                    format!(
+                        "{} ms is under three heartbeats ({} ms each): a slow heartbeat would make a live instance look dead",
+                        fleet.stale_after_ms, fleet.heartbeat_ms
+                    ),
+                );
+            }
+            fleet.expected_instances = f
+                .expected_instances
+                .as_ref()
+                .map(|_| cx.bounded(&f.expected_instances, "fleet.expected_instances", 1..=1000, 1));
+        }
         let mut control = ControlSettings::default();
         if let Some(c) = &self.control {
             let c = &c.value;
@@ -1433,6 +1583,8 @@ impl RawConfig {
             workflows,
             control,
             recovery,
+            redis,
+            fleet,
             metrics_token,
             alert_webhook_url,
             listen,
@@ -1519,6 +1671,58 @@ owners:
         assert!(c.listen_warning.is_none());
         // The upstream key never shows in debug output (P3).
         assert!(!format!("{c:?}").contains("sk-upstream"));
+    }
+
+    #[test]
+    fn r1_r2_fleet_settings_parse_and_never_show_a_password() {
+        // spec: R1, R2
+        let good = GOOD.replace(
+            "ledger: sqlite://ledger.db",
+            "ledger: postgres://gw:s3cret@db:5432/spillway",
+        );
+        let c = parse(&format!(
+            "redis: redis://:r3dis@cache:6379/2\nfleet:\n  instance: gw-1\n  heartbeat_ms: 500\n  stale_after_ms: 3000\n  expected_instances: 3\n{good}"
+        ))
+        .unwrap();
+        let Some(LedgerLocation::Postgres(url)) = &c.ledger else {
+            panic!("{:?}", c.ledger)
+        };
+        assert_eq!(url.redacted(), "postgres://gw:***@db:5432/spillway");
+        assert_eq!(
+            c.redis.as_ref().map(SecretUrl::redacted).as_deref(),
+            Some("redis://:***@cache:6379/2")
+        );
+        assert_eq!(
+            c.fleet,
+            FleetSettings {
+                instance: Some("gw-1".into()),
+                heartbeat_ms: 500,
+                stale_after_ms: 3000,
+                expected_instances: Some(3),
+            }
+        );
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s3cret") && !shown.contains("r3dis"), "{shown}");
+        // Defaults: one instance, named after its host and port at start-up.
+        assert_eq!(parse(GOOD).unwrap().fleet, FleetSettings::default());
+
+        let e = parse(&format!(
+            "redis: http://:r3dis@cache\nfleet:\n  instance: a b\n  heartbeat_ms: 2000\n  stale_after_ms: 3000\n{}",
+            GOOD.replace("ledger: sqlite://ledger.db", "ledger: mysql://u:pw@h/db")
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("gw.yaml:1:8: redis: `http://:***@cache` is not a Redis URL"),
+            "{e}"
+        );
+        assert!(e.contains("gw.yaml:3:13: fleet.instance: `a b` is not a name"), "{e}");
+        assert!(
+            e.contains("fleet.stale_after_ms: 3000 ms is under three heartbeats"),
+            "{e}"
+        );
+        assert!(e.contains("ledger: `mysql://u:***@h/db` is not a ledger URL"), "{e}");
+        assert!(!e.contains("r3dis") && !e.contains(":pw@"), "{e}");
     }
 
     #[test]
