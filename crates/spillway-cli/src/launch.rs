@@ -3,7 +3,7 @@
 use rand::Rng;
 use spillway_engine::admin::AdminToken;
 use spillway_engine::{Console, Options, Running};
-use spillway_policy::{Config, GeneratedSecret, LedgerLocation};
+use spillway_policy::{Config, GeneratedSecret, LedgerLocation, SecretUrl};
 use spillway_sim::SimHandle;
 use spillway_sim::traffic::Target;
 use std::net::SocketAddr;
@@ -28,6 +28,8 @@ pub enum LaunchError {
     /// `OTEL_EXPORTER_OTLP_*` is set but unusable (a bad endpoint, gRPC).
     #[error("{0} (check OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_EXPORTER_OTLP_PROTOCOL)")]
     Otel(#[from] spillway_engine::otel::OtelError),
+    #[error("{0}")]
+    Flag(String),
 }
 
 /// The console's built files (`ui/dist`), compiled in.
@@ -90,6 +92,10 @@ pub struct Launch {
     pub ui_dir: Option<PathBuf>,
     /// Demo traffic to the simulated channels, requests per second.
     pub demo_traffic: Option<f64>,
+    /// R1: this instance's name in a fleet; overrides the config's `fleet.instance`.
+    pub instance: Option<String>,
+    /// R2: the fleet's Redis; overrides the config's `redis`.
+    pub redis: Option<String>,
 }
 
 /// A started gateway and everything started with it.
@@ -98,6 +104,8 @@ pub struct Launched {
     pub url: String,
     pub token: AdminToken,
     pub ledger_path: PathBuf,
+    /// The ledger as logs may name it: the file, or the PostgreSQL URL without its password.
+    pub ledger_shown: String,
     /// Key secrets made at this start, to show once.
     pub generated: Vec<GeneratedSecret>,
     /// The simulated providers, when the config asks for any.
@@ -137,13 +145,21 @@ fn simulated_targets(config: &Config) -> Vec<Target> {
     targets
 }
 
-/// The ledger file: `--ledger`, else the config's, else `ledger.db` in the data directory.
+/// The ledger file: `--ledger`, else the config's, else `ledger.db` in the data directory
+/// (also when the ledger is PostgreSQL's: nothing opens it then).
 pub fn ledger_path(flag: Option<&Path>, config: &Config) -> Result<PathBuf, LaunchError> {
     Ok(match (flag, &config.ledger) {
-        (Some(p), _) => p.to_owned(),
+        (Some(p), _) if pg_url(p).is_none() => p.to_owned(),
         (None, Some(LedgerLocation::Sqlite(p))) => p.clone(),
-        (None, None) => spillway_engine::data_dir()?.join("ledger.db"),
+        _ => spillway_engine::data_dir()?.join("ledger.db"),
     })
+}
+
+/// `--ledger postgres://...`: a PostgreSQL URL given where a file may be.
+fn pg_url(p: &Path) -> Option<SecretUrl> {
+    p.to_str()
+        .filter(|s| s.starts_with("postgres://") || s.starts_with("postgresql://"))
+        .map(|s| SecretUrl(s.to_owned()))
 }
 
 /// Starts everything `l` asks for.
@@ -164,7 +180,29 @@ pub async fn launch(l: Launch) -> Result<Launched, LaunchError> {
         }
         _ => None,
     };
+    // R1, R2: the fleet's flags override the config's fields.
+    if let Some(url) = l.ledger.as_deref().and_then(pg_url) {
+        config.ledger = Some(LedgerLocation::Postgres(url));
+    } else if let Some(p) = &l.ledger {
+        config.ledger = Some(LedgerLocation::Sqlite(p.clone()));
+    }
+    if let Some(r) = &l.redis {
+        if !r.starts_with("redis://") {
+            return Err(LaunchError::Flag(format!(
+                "--redis `{}` is not a Redis URL; expected redis://host:port/db",
+                SecretUrl(r.clone()).redacted()
+            )));
+        }
+        config.redis = Some(SecretUrl(r.clone()));
+    }
+    if let Some(i) = &l.instance {
+        config.fleet.instance = Some(i.clone());
+    }
     let ledger_path = ledger_path(l.ledger.as_deref(), &config)?;
+    let ledger_shown = match &config.ledger {
+        Some(LedgerLocation::Postgres(u)) => u.redacted(),
+        _ => ledger_path.display().to_string(),
+    };
     let token = spillway_engine::admin_token()?;
     let console = match l
         .ui_dir
@@ -208,6 +246,7 @@ pub async fn launch(l: Launch) -> Result<Launched, LaunchError> {
         url,
         token,
         ledger_path,
+        ledger_shown,
         generated,
         sim,
         has_console,

@@ -262,9 +262,16 @@ struct ServeArgs {
     /// Address to listen on; overrides the config. Port 0 picks a free port.
     #[arg(long)]
     listen: Option<SocketAddr>,
-    /// Ledger file; overrides the config. Default: ledger.db in the data directory.
+    /// Ledger file, or a PostgreSQL URL (postgres://user@host:port/db) for a fleet;
+    /// overrides the config. Default: ledger.db in the data directory.
     #[arg(long)]
     ledger: Option<PathBuf>,
+    /// This instance's name in a fleet (default: host:port); overrides fleet.instance.
+    #[arg(long)]
+    instance: Option<String>,
+    /// The fleet's Redis (redis://host:port/db); overrides the config's `redis`.
+    #[arg(long)]
+    redis: Option<String>,
     /// Send demo traffic to the simulated providers, at this many requests per second.
     #[arg(long, num_args = 0..=1, default_missing_value = "4", value_name = "RPS")]
     demo_traffic: Option<f64>,
@@ -286,6 +293,8 @@ async fn serve(args: ServeArgs) -> Result<()> {
         ledger: args.ledger,
         ui_dir: args.ui_dir,
         demo_traffic: args.demo_traffic,
+        instance: args.instance,
+        redis: args.redis,
     })
     .await?;
     if let Some(w) = &launched.listen_warning {
@@ -301,7 +310,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
             tracing::warn!("this binary was built without its console: the admin API is up, the web console is not")
         }
     }
-    tracing::info!(ledger = %launched.ledger_path.display(), "ledger open");
+    tracing::info!(ledger = %launched.ledger_shown, "ledger open");
     for g in &launched.generated {
         if g.key == "demo" {
             announce(&format!("demo key (shown once): {}", g.secret));

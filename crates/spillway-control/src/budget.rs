@@ -34,6 +34,9 @@ pub struct RetryBudget {
     start: Instant,
     /// (bucket index since `start`, counts), oldest first.
     buckets: VecDeque<(u64, Counts)>,
+    /// R2: the other instances' counts over their windows, as last read from the fleet's
+    /// Redis: the budget is the fleet's, a second behind at most.
+    others: Counts,
 }
 
 impl RetryBudget {
@@ -45,6 +48,7 @@ impl RetryBudget {
             window: window.max(BUDGET_BUCKET),
             start: now,
             buckets: VecDeque::new(),
+            others: Counts::default(),
         }
     }
 
@@ -60,12 +64,32 @@ impl RetryBudget {
         &mut self.buckets.back_mut().expect("just pushed").1
     }
 
-    fn totals(&mut self, now: Instant) -> Counts {
+    /// This instance's own counts over the window.
+    fn own(&mut self, now: Instant) -> Counts {
         self.bucket(now);
         self.buckets.iter().fold(Counts::default(), |a, (_, c)| Counts {
             requests: a.requests + c.requests,
             retries: a.retries + c.retries,
         })
+    }
+
+    fn totals(&mut self, now: Instant) -> Counts {
+        let own = self.own(now);
+        Counts {
+            requests: own.requests + self.others.requests,
+            retries: own.retries + self.others.retries,
+        }
+    }
+
+    /// R2: (new requests, retries) of this instance over the window, for the fleet.
+    pub fn own_counts(&mut self, now: Instant) -> (u64, u64) {
+        let c = self.own(now);
+        (c.requests, c.retries)
+    }
+
+    /// R2: the other instances' (new requests, retries) over their windows.
+    pub fn set_others(&mut self, requests: u64, retries: u64) {
+        self.others = Counts { requests, retries };
     }
 
     /// A new logical request on the route.

@@ -418,6 +418,26 @@ async fn f4_retries_are_at_most_a_fifth_of_new_requests() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn r2_the_retry_budget_counts_the_fleets_requests_and_retries() {
+    // spec: R2, F4
+    let mut here = RetryBudget::new(0.2, 0, Duration::from_secs(10), Instant::now());
+    for _ in 0..10 {
+        here.request(Instant::now());
+    }
+    // Alone, 10 requests pay for 2 retries; the fleet's other instances had 90 requests
+    // and already spent 15 retries: 100 requests allow 20, 5 are left for this one.
+    here.set_others(90, 15);
+    let granted = (0..10).filter(|_| here.try_retry(Instant::now())).count();
+    assert_eq!(granted, 5);
+    assert_eq!(here.figures(Instant::now()), (100, 20, 20));
+    // What it tells the fleet is its own share only.
+    assert_eq!(here.own_counts(Instant::now()), (10, 5));
+    // The others spent the whole fleet's budget: none here, whatever the local counts say.
+    here.set_others(90, 30);
+    assert!(!here.try_retry(Instant::now()));
+}
+
+#[tokio::test(start_paused = true)]
 async fn f5_amplification_and_post_retry_success_per_window() {
     // spec: F5, F4, N1
     let mut a = Amplification::new(Instant::now());

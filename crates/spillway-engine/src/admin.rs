@@ -685,6 +685,11 @@ async fn reconcile_bulk(State(st): State<Arc<AppState>>, body: axum::body::Bytes
 }
 
 /// The ledger's figures, computed now.
+/// R1, R2: the fleet's instances with their heartbeats and load, and Redis's state.
+async fn fleet(State(st): State<Arc<AppState>>) -> Response {
+    axum::Json(st.fleet.view(&st)).into_response()
+}
+
 async fn ledger_figures(State(st): State<Arc<AppState>>) -> Response {
     let now = clock::now();
     let since = UnixMs(now.0.saturating_sub(st.config.idempotency.window_ms as i64));
@@ -747,6 +752,7 @@ pub fn router(st: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/admin/v1/unknowns/reconcile", post(reconcile_bulk))
         .route("/admin/v1/requests/{id}/reconcile", post(reconcile))
         .route("/admin/v1/ledger", get(ledger_figures))
+        .route("/admin/v1/fleet", get(fleet))
         .route("/admin/v1/ledger/prune", post(prune))
         .route("/admin/v1/channels/{name}/restore", post(restore_channel))
         .route("/admin/v1/breakers/open", post(open_breaker))

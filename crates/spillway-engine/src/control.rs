@@ -412,6 +412,17 @@ impl RouteControl {
         })
     }
 
+    /// R2: this instance's (new requests, retries) in the budget's window.
+    pub fn budget_counts(&self) -> (u64, u64) {
+        let now = Instant::now();
+        self.with(|i| i.budget.own_counts(now))
+    }
+
+    /// R2: the fleet's other instances' (new requests, retries) in their windows.
+    pub fn set_budget_others(&self, requests: u64, retries: u64) {
+        self.with(|i| i.budget.set_others(requests, retries));
+    }
+
     /// F5: a request of the route ended after `attempts` attempts.
     pub fn finished(&self, attempts: u32, ok: bool) {
         let now = Instant::now();
@@ -731,6 +742,7 @@ impl Control {
             state,
             updated_at: at,
         });
+        share(st, state.as_ref());
         let audit = AuditEntry {
             id: 0,
             at,
@@ -745,6 +757,11 @@ impl Control {
             figures: serde_json::to_string(&t.figures).ok(),
         };
         self.persist(&st.ledger, Persist { state, audit, done });
+    }
+
+    /// R2: every instance's routes.
+    pub fn all(&self) -> Vec<Arc<RouteControl>> {
+        lock(&self.routes).iter().flat_map(|m| m.values().cloned()).collect()
     }
 
     /// A channel left or re-entered rotation.
@@ -796,6 +813,7 @@ impl Control {
             state,
             updated_at: at,
         });
+        share(st, state.as_ref());
         let audit = AuditEntry {
             id: 0,
             at,
@@ -850,6 +868,66 @@ impl Control {
         Ok(true)
     }
 
+    /// R2: a breaker transition another instance of the fleet published (its saved
+    /// snapshot), applied here as the ledger's would be at a restart; not published again.
+    pub fn apply_shared(&self, st: &AppState, route: &str, saved: &str, from: &str) {
+        let Ok(s) = serde_json::from_str::<Saved<BreakerSnapshot>>(saved) else {
+            tracing::warn!(route, from, "unreadable shared breaker state; ignored");
+            return;
+        };
+        let Some((format, model)) = route.split_once('/') else {
+            return;
+        };
+        let Ok(format) = format.parse::<Format>() else { return };
+        let rc = self.route(st, format, model);
+        let b = Breaker::restore(
+            breaker_config(st, &rc.name),
+            &s.state,
+            Duration::from_millis(clock::now().since(s.saved_at)),
+            Instant::now(),
+        );
+        let (before, after) = (rc.state(), b.state());
+        rc.with(|i| i.breaker = b);
+        if before != after {
+            tracing::warn!(route, from, ?before, ?after, "breaker moved by another instance");
+            match after {
+                BreakerState::Open => st.alert(
+                    Severity::Critical,
+                    format!("Breaker open on {route} (opened by instance {from})"),
+                    format!(
+                        "{}. Shared through Redis: interactive requests on this route fail fast on every instance.",
+                        s.state.reason.as_deref().unwrap_or("another instance opened it")
+                    ),
+                    Some(route.to_owned()),
+                ),
+                BreakerState::Closed => st.alert(
+                    Severity::Resolved,
+                    format!("Breaker closed on {route} (closed by instance {from})"),
+                    s.state.reason.clone().unwrap_or_default(),
+                    Some(route.to_owned()),
+                ),
+                BreakerState::Probation => {}
+            }
+        }
+    }
+
+    /// R2: a channel's ejection or return another instance published, applied here as
+    /// the ledger's would be at a restart.
+    pub fn apply_shared_channel(&self, st: &AppState, name: &str, saved: &str, from: &str) {
+        let Ok(s) = serde_json::from_str::<Saved<OutlierSnapshot>>(saved) else {
+            return;
+        };
+        let Some(c) = st.channels.iter().find(|c| *c.cfg.name == *name) else {
+            return;
+        };
+        c.health.restore_outlier(
+            &s.state,
+            Duration::from_millis(clock::now().since(s.saved_at)),
+            Instant::now(),
+        );
+        tracing::info!(channel = name, from, "channel state moved by another instance");
+    }
+
     /// G4, D5: breakers and ejections as the ledger kept them; a restart keeps them.
     pub async fn restore(&self, st: &AppState) -> spillway_ledger::Result<usize> {
         let now = Instant::now();
@@ -888,6 +966,19 @@ impl Control {
             }
         }
         Ok(n)
+    }
+}
+
+/// R2: a breaker's or channel's new state, for the fleet's other instances to apply as it
+/// arrives (in the background: a transition must not wait for Redis).
+fn share(st: &AppState, state: Option<&ControlState>) {
+    if let (Some(sh), Some(c)) = (&st.shared, state) {
+        let (sh, c) = (sh.clone(), c.clone());
+        tokio::spawn(async move {
+            if let Err(e) = sh.publish_state(&c.kind, &c.subject, &c.state).await {
+                tracing::warn!(error = %e.0, subject = %c.subject, "transition not shared: Redis is unreachable");
+            }
+        });
     }
 }
 

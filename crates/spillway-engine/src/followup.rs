@@ -73,7 +73,7 @@ pub async fn follow_up(
     // Each is a call to the provider: it takes room on the key like any other, before
     // anything else is done for it (a client probing ids pays its rate too). The slot is
     // held until the answer has been passed on, streamed or not.
-    let slot = match key.limits.acquire(KEY_WAIT, true).await {
+    let slot = match key.limits.acquire(st.shared.as_ref(), KEY_WAIT, true).await {
         Ok(slot) => slot,
         Err(over) => {
             return GatewayError::KeyLimited {

@@ -6,7 +6,9 @@
 //!
 //! The claim lives in memory while its request runs and until the request's final record
 //! (and its response copy) is committed; from then on the ledger answers. A process owns
-//! its ledger (one writer), so memory plus ledger is the whole truth.
+//! its SQLite ledger (one writer), so memory plus ledger is the whole truth there. On a
+//! fleet's shared ledger (R1) the claim is also taken in the ledger, under its unique key,
+//! before the ledger is asked about the key: two instances never both start one key.
 
 use crate::clock;
 use crate::error::GatewayError;
@@ -114,6 +116,14 @@ impl Claim {
     /// hurries it itself.
     pub fn release(mut self) {
         let Some((key, id)) = self.key.take() else { return };
+        if self.st.fleet.shared_ledger {
+            let after = self.st.ledger.when_committed();
+            let (st, k, i) = (self.st.clone(), key.clone(), id.clone());
+            tokio::spawn(async move {
+                let _ = after.await;
+                release_shared(&st, &k, &i).await;
+            });
+        }
         let committed = self.st.ledger.when_committed();
         let mut c = self.st.idempotency.lock();
         if let Some(h) = c.held.get_mut(&key) {
@@ -124,9 +134,22 @@ impl Claim {
     }
 }
 
+/// Drops the fleet's claim of `key` held by request `id` (its record is committed, or it
+/// never reached one). One that cannot be dropped is taken over by the next request once
+/// this one's row is final or its instance is gone.
+async fn release_shared(st: &AppState, key: &ClaimKey, id: &str) {
+    if let Err(e) = st.ledger.store().release_key(&key.0, &key.1, id).await {
+        tracing::warn!(error = %e, "could not release an idempotency key's claim in the shared ledger");
+    }
+}
+
 impl Drop for Claim {
     fn drop(&mut self) {
         if let Some((k, id)) = self.key.take() {
+            if self.st.fleet.shared_ledger {
+                let (st, k, id) = (self.st.clone(), k.clone(), id.clone());
+                tokio::spawn(async move { release_shared(&st, &k, &id).await });
+            }
             let mut c = self.st.idempotency.lock();
             if matches!(c.held.get(&k), Some(Holder::Running { request_id, .. }) if *request_id == id) {
                 c.held.remove(&k);
@@ -152,6 +175,47 @@ pub async fn check(st: &Arc<AppState>, key: String, rec: &RequestRecord) -> Verd
     };
     let ck: ClaimKey = (key_name, key);
     let print = Fingerprint::of(rec);
+    // R1: on a fleet's ledger the fleet's claim comes first (a refusal names the request
+    // that runs, wherever it does), then this instance's, then the ledger's record: a
+    // request that finished elsewhere let go of the key only once its record was
+    // committed, so it is found below.
+    if st.fleet.shared_ledger {
+        let mut flushed = false;
+        loop {
+            match st.ledger.store().claim_key(&ck.0, &ck.1, &rec.id, clock::now()).await {
+                Ok(None) => break,
+                Ok(Some(original)) => {
+                    // Held by a request of this instance whose final record is queued: once
+                    // committed it lets go, and this one is answered from the ledger.
+                    let closing_here = {
+                        let mut c = st.idempotency.lock();
+                        c.purge();
+                        matches!(c.held.get(&ck), Some(Holder::Closing { request_id }) if *request_id == original)
+                    };
+                    if closing_here && !flushed && st.ledger.flush().await.is_ok() {
+                        flushed = true;
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
+                    return Verdict::Refuse(GatewayError::IdempotencyInProgress {
+                        original,
+                        state: "running",
+                    });
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "the shared ledger could not claim an idempotency key; refusing the request");
+                    return Verdict::Refuse(GatewayError::LedgerUnavailable);
+                }
+            }
+        }
+    }
+    let refuse = |e: GatewayError| {
+        if st.fleet.shared_ledger {
+            let (st, k, id) = (st.clone(), ck.clone(), rec.id.clone());
+            tokio::spawn(async move { release_shared(&st, &k, &id).await });
+        }
+        Verdict::Refuse(e)
+    };
     // A key still closing in this process is waited for (one commit); after that its
     // final record is in the ledger, and this request takes the key over.
     let mut flushed = false;
@@ -161,12 +225,12 @@ pub async fn check(st: &Arc<AppState>, key: String, rec: &RequestRecord) -> Verd
             c.purge();
             match c.held.get(&ck) {
                 Some(Holder::Running { request_id, print: p }) if *p != print => {
-                    return Verdict::Refuse(GatewayError::IdempotencyKeyReused {
+                    return refuse(GatewayError::IdempotencyKeyReused {
                         original: request_id.clone(),
                     });
                 }
                 Some(Holder::Running { request_id, .. }) => {
-                    return Verdict::Refuse(GatewayError::IdempotencyInProgress {
+                    return refuse(GatewayError::IdempotencyInProgress {
                         original: request_id.clone(),
                         state: "running",
                     });
@@ -186,7 +250,7 @@ pub async fn check(st: &Arc<AppState>, key: String, rec: &RequestRecord) -> Verd
         }
         if let Err(e) = st.ledger.flush().await {
             tracing::error!(error = %e, "ledger flush failed while an idempotency key was closing");
-            return Verdict::Refuse(GatewayError::LedgerUnavailable);
+            return refuse(GatewayError::LedgerUnavailable);
         }
         flushed = true;
     }

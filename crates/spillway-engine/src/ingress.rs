@@ -458,7 +458,7 @@ async fn handle<C: Caller>(
     // work too); its runs hold only a concurrency slot.
     let rated =
         (api != Api::CountTokens || key.key.rpm_counts_token_counting) && job_run.is_none() && recovery_probe.is_none();
-    match key.limits.acquire(KEY_WAIT, rated).await {
+    match key.limits.acquire(st.shared.as_ref(), KEY_WAIT, rated).await {
         Ok(slot) => life.hold_key(slot),
         Err(over) => {
             let e = GatewayError::KeyLimited {

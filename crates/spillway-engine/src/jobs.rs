@@ -817,6 +817,9 @@ pub fn start(st: &Arc<AppState>, router: axum::Router) {
         }
         let draining = st.shutdown.draining.clone();
         loop {
+            if st.fleet.shared_ledger {
+                refresh(&st).await;
+            }
             let next = release(&st, &router).await;
             let wait = next.unwrap_or(Duration::from_secs(1)).min(Duration::from_secs(1));
             tokio::select! {
@@ -860,42 +863,19 @@ async fn recover(st: &Arc<AppState>) -> spillway_ledger::Result<()> {
             b.stopped |= b.failures >= b.stop_after_failures;
         }
         // A job is marked running in memory only (a durable write per release would cost
-        // a sync per run), so any job that may have been running is looked at.
-        if j.state == RUNNING || j.state == QUEUED {
-            // Its runs as the ledger has them: the job's own row is saved when a run ends,
-            // so the run that was cut is found by its job id.
-            let runs = st.ledger.store().job_requests(&j.id).await?;
-            for r in &runs {
-                if !j.request_ids.contains(&r.id) {
-                    j.request_ids.push(r.id.clone());
-                }
-            }
-            if runs
-                .iter()
-                .any(|r| matches!(r.state, RequestState::Unknown | RequestState::CallingApi))
-            {
-                park(&mut j, DEAD_LETTER, "outcome_unknown");
-                j.last_error = Some("the gateway stopped while this job's run was calling the provider; its outcome is unknown. Reconcile the run in the Unknown outcomes inbox before a replay.".into());
-                audits.push(audit(
-                    "job",
-                    &j.id,
-                    "gateway",
-                    "dead_lettered",
-                    "outcome_unknown after a restart",
-                    serde_json::json!([]),
-                ));
-            } else if j.state == RUNNING {
-                j.state = QUEUED.into();
-                j.ready_at = clock::now();
-            } else {
-                st.jobs.put(j);
-                continue;
-            }
-            j.updated_at = clock::now();
+        // a sync per run), so any job that may have been running is looked at. In a
+        // fleet, a run in `calling_api` may be another live instance's (a dead one's jobs
+        // come back through its take-over; this instance's own interrupted runs are
+        // `unknown` already, and their key answers a second run with a refusal, I2).
+        if !st.fleet.shared_ledger
+            && (j.state == RUNNING || j.state == QUEUED)
+            && look_again(st, &mut j, "after a restart", &mut audits).await?
+        {
             changed.push(j.clone());
         }
         st.jobs.put(j);
     }
+    st.fleet.jobs_seen.store(clock::now().0, Ordering::Release);
     // Memory holds every open job now: operators may act (their saves come after this
     // one's on the writer connection).
     st.jobs.ready.store(true, Ordering::Release);
@@ -907,6 +887,149 @@ async fn recover(st: &Arc<AppState>) -> spillway_ledger::Result<()> {
         st.ledger.store().save_jobs(&changed, &audits).await?;
     }
     Ok(())
+}
+
+/// A job that may have been running when its runner stopped, looked at through its runs
+/// as the ledger has them (the job's own row is saved when a run ends, so the run that was
+/// cut is found by its job id): one whose outcome is unknown goes to the dead letter;
+/// one marked running goes back to the queue. True when `j` changed.
+async fn look_again(
+    st: &AppState,
+    j: &mut JobRecord,
+    when: &str,
+    audits: &mut Vec<AuditEntry>,
+) -> spillway_ledger::Result<bool> {
+    let runs = st.ledger.store().job_requests(&j.id).await?;
+    for r in &runs {
+        if !j.request_ids.contains(&r.id) {
+            j.request_ids.push(r.id.clone());
+        }
+    }
+    if runs
+        .iter()
+        .any(|r| matches!(r.state, RequestState::Unknown | RequestState::CallingApi))
+    {
+        park(j, DEAD_LETTER, "outcome_unknown");
+        j.last_error = Some("the gateway stopped while this job's run was calling the provider; its outcome is unknown. Reconcile the run in the Unknown outcomes inbox before a replay.".into());
+        audits.push(audit(
+            "job",
+            &j.id,
+            "gateway",
+            "dead_lettered",
+            &format!("outcome_unknown {when}"),
+            serde_json::json!([]),
+        ));
+    } else if j.state == RUNNING {
+        j.state = QUEUED.into();
+        j.ready_at = clock::now();
+    } else {
+        return Ok(false);
+    }
+    j.updated_at = clock::now();
+    Ok(true)
+}
+
+/// R1, I4: the jobs a dead instance held leases on, looked at as a restart looks at its
+/// own: a run that may have reached the provider sends its job to the dead letter.
+pub async fn adopt(st: &Arc<AppState>, ids: &[String]) {
+    let mut changed = Vec::new();
+    let mut audits = Vec::new();
+    for id in ids {
+        let mut j = match st.ledger.store().job(id).await {
+            Ok(Some(j)) => j,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, job = %id, "could not read a job a dead instance held");
+                continue;
+            }
+        };
+        j.body = None;
+        j.result = None;
+        match look_again(st, &mut j, "after its instance died", &mut audits).await {
+            Ok(true) => changed.push(j),
+            Ok(false) => st.jobs.put(j),
+            Err(e) => tracing::warn!(error = %e, job = %id, "could not look at a job a dead instance held"),
+        }
+    }
+    if !changed.is_empty() {
+        save_or_hold(st, changed, &audits).await;
+    }
+}
+
+/// R1: what other instances did to the queue since this one last looked: their new jobs,
+/// and the ones they ran, filed or replayed. A job running here keeps its memory copy.
+async fn refresh(st: &AppState) {
+    let seen = st.fleet.jobs_seen.load(Ordering::Acquire);
+    // A little overlap: two instances' clocks and commits are not in lock-step.
+    let rows = match st
+        .ledger
+        .store()
+        .jobs_changed_since(UnixMs(seen.saturating_sub(2_000)))
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read the fleet's job changes");
+            return;
+        }
+    };
+    let mut newest = seen;
+    let mut inner = st.jobs.lock();
+    let mut any = false;
+    for j in rows {
+        newest = newest.max(j.updated_at.0);
+        let keep_ours = inner.claimed.contains(&j.id)
+            || inner
+                .open
+                .get(&j.id)
+                .is_some_and(|m| m.state == RUNNING || m.updated_at > j.updated_at);
+        if keep_ours {
+            continue;
+        }
+        any = true;
+        if j.lane.is_some() {
+            inner.open.insert(j.id.clone(), j);
+        } else {
+            inner.open.remove(&j.id);
+        }
+    }
+    drop(inner);
+    st.fleet.jobs_seen.store(newest, Ordering::Release);
+    if any {
+        st.jobs.wake.notify_one();
+    }
+}
+
+/// R1: takes the job's lease in the shared ledger before it runs here; the ledger's row
+/// (another instance may have run it since memory saw it) is what runs. None: another
+/// instance holds it, or it is no longer due: memory goes back to what it was.
+async fn lease(st: &AppState, mut j: JobRecord, was: UnixMs) -> Option<JobRecord> {
+    let now = clock::now();
+    let until = UnixMs(now.0 + 3 * st.config.fleet.stale_after_ms as i64);
+    let r = st.ledger.store().lease_job(&j.id, &st.fleet.instance, now, until).await;
+    match r {
+        Ok(Some(mut fresh)) => {
+            fresh.state = RUNNING.into();
+            fresh.attempt += 1;
+            fresh.updated_at = now;
+            fresh.body = None;
+            fresh.result = None;
+            st.jobs.lock().open.insert(fresh.id.clone(), fresh.clone());
+            Some(fresh)
+        }
+        other => {
+            if let Err(e) = other {
+                tracing::warn!(error = %e, job = %j.id, "could not lease a job; it waits");
+            }
+            st.fleet
+                .note_leased_elsewhere(&j.id, UnixMs(now.0 + st.config.fleet.heartbeat_ms as i64));
+            j.state = QUEUED.into();
+            j.attempt = j.attempt.saturating_sub(1);
+            j.updated_at = was;
+            st.jobs.lock().open.insert(j.id.clone(), j);
+            None
+        }
+    }
 }
 
 fn park(j: &mut JobRecord, lane: &str, reason: &str) {
@@ -948,7 +1071,7 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
             }
         }
         for mut j in queued {
-            if inner.claimed.contains(&j.id) {
+            if inner.claimed.contains(&j.id) || st.fleet.shared_ledger && st.fleet.leased_elsewhere(&j.id, now) {
                 continue;
             }
             if now >= j.expires_at {
@@ -1003,11 +1126,12 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
                 continue;
             }
             *running += 1;
+            let was = j.updated_at;
             j.state = RUNNING.into();
             j.attempt += 1;
             j.updated_at = now;
             inner.open.insert(j.id.clone(), j.clone());
-            go.push((j, key_for_slot));
+            go.push((j, key_for_slot, was));
         }
     }
     for mut j in expired {
@@ -1054,8 +1178,16 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
             save_or_hold(st, jobs, &[audit]).await;
         }
     }
-    for (j, key) in go {
+    for (j, key, was) in go {
         let slot = RunSlot { st: st.clone(), key };
+        let j = if st.fleet.shared_ledger {
+            match lease(st, j, was).await {
+                Some(j) => j,
+                None => continue,
+            }
+        } else {
+            j
+        };
         let router = router.clone();
         tokio::spawn(async move { run(slot, router, j).await });
     }

@@ -18,6 +18,7 @@ pub mod contract;
 pub mod control;
 pub mod error;
 pub mod failover;
+pub mod fleet;
 pub mod followup;
 pub mod health;
 pub mod idempotency;
@@ -36,6 +37,7 @@ pub mod retry;
 pub mod routing;
 pub mod scorecard;
 pub mod server;
+pub mod shared;
 pub mod state;
 pub mod stream;
 pub mod trace;
@@ -78,6 +80,9 @@ pub enum Error {
     Pricing(String),
     #[error("workflow policies: {0}")]
     Workflows(String),
+    /// R1, R2: this instance cannot take its place in the fleet.
+    #[error("fleet: {0}")]
+    Fleet(String),
 }
 
 /// Reads and validates the pricing catalog at `path` (M1).
@@ -166,6 +171,7 @@ impl Running {
             // The SDK's shutdown blocks while it exports what is left.
             let _ = tokio::task::spawn_blocking(move || o.shutdown()).await;
         }
+        fleet::leave(st).await;
         // Closing twice is harmless: a second finish returns once the first has flushed.
         Ok(st.ledger.close(Duration::from_secs(5)).await?)
     }
@@ -201,9 +207,24 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
         .await
         .map_err(|source| Error::Listen { addr, source })?;
     let addr = listener.local_addr().map_err(|source| Error::Listen { addr, source })?;
-    let ledger = match opts.ledger {
-        Some(l) => l,
-        None => Ledger::open_sqlite(&opts.ledger_path).await?,
+    let instance = config
+        .fleet
+        .instance
+        .clone()
+        .unwrap_or_else(|| fleet::default_name(addr));
+    let shared_ledger = matches!(config.ledger, Some(spillway_policy::LedgerLocation::Postgres(_)));
+    let ledger = match (opts.ledger, &config.ledger) {
+        (Some(l), _) => l,
+        (None, Some(spillway_policy::LedgerLocation::Postgres(url))) => {
+            Ledger::open_postgres(&url.0, &instance, config.fleet.stale_after_ms as i64).await?
+        }
+        (None, _) => Ledger::open_sqlite(&opts.ledger_path).await?,
+    };
+    let shared = match &config.redis {
+        Some(url) => {
+            Some(shared::Shared::new(url, &instance, config.fleet.expected_instances).map_err(|e| Error::Fleet(e.0))?)
+        }
+        None => None,
     };
     // The built-in catalog is read when a request first needs it.
     let pricing = config.pricing.as_deref().map(read_pricing).transpose()?;
@@ -211,6 +232,10 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
     state.admin_token = opts.admin_token;
     state.console = opts.console;
     state.otel = opts.otel;
+    state.fleet = fleet::Fleet::new(instance, addr.to_string(), shared_ledger);
+    state.shared = shared;
+    // R1: a name a live instance uses is refused before this one touches anything.
+    fleet::join(&state).await.map_err(Error::Fleet)?;
     let state = Arc::new(state);
     // G4, D5: open breakers and ejections outlive a restart.
     let restored = state.control.restore(&state).await?;
@@ -227,6 +252,7 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
     ledger_upkeep(&state);
     control::tick(&state);
     workflows::upkeep(&state);
+    fleet::upkeep(&state);
     let app = ingress::router_with(state.clone(), caller);
     // O1: open recovery runs hold their routes again before the first request, and
     // before the job runner could release a held route's jobs.

@@ -164,6 +164,10 @@ pub struct AppState {
     pub jobs: crate::jobs::Jobs,
     /// O1-O5: guided recovery runs.
     pub recoveries: crate::recovery::Recoveries,
+    /// R1, R2: this instance in its fleet (alone on a SQLite ledger).
+    pub fleet: crate::fleet::Fleet,
+    /// R2: the fleet's Redis, when configured: key limits and breakers are shared.
+    pub shared: Option<Arc<crate::shared::Shared>>,
 }
 
 impl AppState {
@@ -270,6 +274,8 @@ impl AppState {
             workflows,
             jobs: Default::default(),
             recoveries: Default::default(),
+            fleet: crate::fleet::Fleet::new("local".into(), String::new(), false),
+            shared: None,
         })
     }
 }

@@ -814,16 +814,17 @@ async fn b1_a_client_that_goes_away_mid_stream_frees_its_slots() {
     // spec: B1, C1
     let (st, _) = state_with(config("", &[("a", 4)]));
     let key = st.accounts.all_keys()[0].clone();
-    let (_tx, mut body, id) = primed_stream(&st, Some(key.limits.acquire(Duration::ZERO, true).await.unwrap())).await;
+    let (_tx, mut body, id) =
+        primed_stream(&st, Some(key.limits.acquire(None, Duration::ZERO, true).await.unwrap())).await;
     assert!(body.next().await.is_some());
     assert!(
-        key.limits.acquire(Duration::ZERO, true).await.is_err(),
+        key.limits.acquire(None, Duration::ZERO, true).await.is_err(),
         "the stream holds the key's only slot"
     );
     drop(body);
     assert_eq!(st.channels[0].in_flight(), 0);
     assert!(
-        key.limits.acquire(Duration::ZERO, true).await.is_ok(),
+        key.limits.acquire(None, Duration::ZERO, true).await.is_ok(),
         "and gives it back with the client"
     );
     let (rec, _) = rows(&st, &id).await;
@@ -841,7 +842,8 @@ async fn b1_a_client_that_stops_reading_a_stream_frees_its_slots_at_the_write_de
     // over and not followed by a request for the next within the write deadline.
     let (st, _) = state_with(config("server: {write_timeout_ms: 2000}", &[("a", 4)]));
     let key = st.accounts.all_keys()[0].clone();
-    let (tx, mut body, id) = primed_stream(&st, Some(key.limits.acquire(Duration::ZERO, true).await.unwrap())).await;
+    let (tx, mut body, id) =
+        primed_stream(&st, Some(key.limits.acquire(None, Duration::ZERO, true).await.unwrap())).await;
     assert!(body.next().await.is_some());
     tx.send(chunk(" more")).await.unwrap();
     // The client takes chunks slowly but takes them: no stall.
@@ -860,7 +862,7 @@ async fn b1_a_client_that_stops_reading_a_stream_frees_its_slots_at_the_write_de
         t0.elapsed()
     );
     assert!(
-        key.limits.acquire(Duration::ZERO, true).await.is_ok(),
+        key.limits.acquire(None, Duration::ZERO, true).await.is_ok(),
         "the key's slot is free"
     );
     let (rec, atts) = rows(&st, &id).await;

@@ -61,6 +61,9 @@ fn ui_bindings_are_current() {
     spillway_engine::recovery::RecoveryList::export_all(&cfg).unwrap();
     spillway_engine::recovery::RecoveryView::export_all(&cfg).unwrap();
     spillway_engine::scorecard::Scorecard::export_all(&cfg).unwrap();
+    // R1, R2: InstanceView inlines its flattened row; InstanceRow is exported on its own.
+    spillway_engine::fleet::FleetView::export_all(&cfg).unwrap();
+    spillway_ledger::InstanceRow::export_all(&cfg).unwrap();
     let fresh = files(tmp.path());
     let committed_dir: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../ui/src/bindings");
     if std::env::var_os("UPDATE_BINDINGS").is_some() {
