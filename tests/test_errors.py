@@ -1,6 +1,9 @@
 """Errors in the caller's wire format (A3): bad keys (A2), malformed and oversized bodies
 (A5), unknown paths, and what the SDKs make of them. Nothing malformed reaches a provider."""
 
+import threading
+import time
+
 import anthropic
 import httpx
 import openai
@@ -9,7 +12,7 @@ from google import genai
 from google.genai import errors as genai_errors
 from google.genai import types
 
-from conftest import MODELS
+from conftest import MODELS, start_gateway, stop
 from wire import BODIES, error_of, post
 
 @pytest.mark.parametrize("fmt,name", [("openai", "invalid_api_key"), ("anthropic", "authentication_error"), ("gemini", "UNAUTHENTICATED")])
@@ -147,3 +150,38 @@ def test_upstream_400_is_returned_as_sent_without_retry(gateway):
         assert (row["state"], row["http_status"], row["error_class"]) == ("failed", 400, "invalid_request")
     finally:
         gateway.sim.set(ch)
+
+
+def test_refusals_before_the_body_is_read_close_the_connection_cleanly(tmp_path, sim):
+    # spec: B2
+    # A key over its rate is refused before its body is read; the connection then cannot
+    # carry another request. Keep-alive clients hammering the limit (SDK retries do) must
+    # never send into a connection the server is dropping: the refusal says `close`.
+    gw = start_gateway(tmp_path, sim, key_yaml="    rpm: 1")
+    try:
+        errors, codes = [], []
+
+        def hammer():
+            with httpx.Client(timeout=20) as c:
+                end = time.monotonic() + 3
+                while time.monotonic() < end:
+                    try:
+                        r = c.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {gw.key}"},
+                                   json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x" * 2000}]})
+                        codes.append((r.status_code, r.headers.get("connection")))
+                    except httpx.HTTPError as e:
+                        errors.append(repr(e))
+
+        threads = [threading.Thread(target=hammer) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, (len(errors), errors[:3])
+        assert len(codes) > 100
+        assert {c for c, _ in codes} == {200, 429}
+        assert all(conn == "close" for c, conn in codes if c == 429)
+        # An answered request keeps its connection.
+        assert all(conn is None for c, conn in codes if c == 200)
+    finally:
+        stop(gw.proc)

@@ -124,6 +124,7 @@ pub fn router_with<C: Caller>(state: Arc<AppState>, caller: Arc<C>) -> Router {
         .fallback(fallback)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(catch_panic))
+        .layer(middleware::from_fn(close_unread))
         .layer(middleware::from_fn_with_state(state.clone(), host_guard))
         .layer(middleware::from_fn(request_id_layer))
         .with_state(state)
@@ -159,6 +160,58 @@ async fn host_guard(State(st): State<Arc<AppState>>, req: Request, next: Next) -
             refuse_without_row(&st, format, conn, GatewayError::ForbiddenHost)
         }
     }
+}
+
+/// A request body that reports its end, so the connection knows whether it can carry
+/// another request.
+struct Watched {
+    inner: Body,
+    read: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl http_body::Body for Watched {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        let r = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(r, std::task::Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.read.store(true, std::sync::atomic::Ordering::Release);
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A refusal answered before the body was read (a bad key, a key over its rate, a body
+/// too large) leaves the body's bytes on an HTTP/1 connection, which then cannot carry
+/// another request: the server drops it after the answer. Saying so (`Connection:
+/// close`) keeps a keep-alive client from sending its next request, a retry most likely,
+/// into a connection that is being closed.
+async fn close_unread(req: Request, next: Next) -> Response {
+    let h1 = matches!(req.version(), http::Version::HTTP_11 | http::Version::HTTP_10);
+    if !h1 || http_body::Body::is_end_stream(req.body()) {
+        return next.run(req).await;
+    }
+    let read = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = read.clone();
+    let req = req.map(|inner| Body::new(Watched { inner, read: flag }));
+    let mut resp = next.run(req).await;
+    if !read.load(std::sync::atomic::Ordering::Acquire) {
+        resp.headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    resp
 }
 
 /// A panic in a handler is a bug: the client gets a 500 in its format and the server goes
