@@ -7,7 +7,7 @@ VENV := .venv
 CARGO ?= cargo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test bench package deps deps-system deps-browser deps-desktop deps-rust deps-python deps-ui ui build build-release build-desktop lint fmt clean
+.PHONY: run test fleet bench package deps deps-system deps-browser deps-desktop deps-fleet deps-rust deps-python deps-ui ui build build-release build-desktop lint fmt clean
 
 deps-system:
 	@missing=""; \
@@ -37,6 +37,21 @@ deps-browser:
 	@if [ ! -x /usr/bin/chromium ]; then \
 		echo "==> installing chromium for the browser tests"; \
 		$(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	fi
+
+## Debian's PostgreSQL and Redis for fleet mode (R1, R2): `make test` and `make fleet` start
+## private servers from them on loopback ports (scripts/services), never the system services.
+deps-fleet:
+	@missing=""; \
+	bindir=$$(pg_config --bindir 2>/dev/null || true); \
+	if { [ -z "$$bindir" ] || [ ! -x "$$bindir/initdb" ]; } && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+		missing="$$missing postgresql"; fi; \
+	command -v psql >/dev/null || missing="$$missing postgresql-client"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v redis-cli >/dev/null || missing="$$missing redis-tools"; \
+	if [ -n "$$missing" ]; then \
+		echo "==> installing system packages for fleet mode:$$missing"; \
+		$(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
 deps-ui: deps-system
@@ -117,13 +132,30 @@ fmt:
 ## that ui/src/bindings matches the Rust types), the console's unit tests, the browser
 ## end-to-end tests (real gateway, Debian's Chromium; screenshots into docs/screenshots),
 ## then the black-box suite (real binary, real simulator process, real SQLite file,
-## official SDKs).
-test: deps deps-browser ui build build-desktop lint
-	$(CARGO) test --workspace --exclude spillway-desktop
-	cd ui && npm test
-	cd ui && SPILLWAY_BIN=$(CURDIR)/target/debug/spillway npm run e2e
-	cd ui && PATH="$$HOME/.cargo/bin:$$PATH" xvfb-run -a -s "-screen 0 1400x900x24" npm run e2e:desktop
+## official SDKs). Private PostgreSQL and Redis servers run for the whole of it, in a
+## temporary directory on free loopback ports (the ledger's PostgreSQL half, the shared
+## limits, the fleet tests); SPILLWAY_REQUIRE_SERVICES=1 makes a test that cannot reach them
+## fail instead of skip. They are stopped at the end, on failure too.
+test: deps deps-browser deps-fleet ui build build-desktop lint
+	@set -e; \
+	dir=$$(mktemp -d -t spillway-services.XXXXXX); \
+	trap 'scripts/services stop "$$dir" || true; rm -rf "$$dir"' EXIT; \
+	trap 'exit 130' INT TERM; \
+	exports=$$(scripts/services start "$$dir"); eval "$$exports"; \
+	export SPILLWAY_TEST_POSTGRES SPILLWAY_TEST_REDIS SPILLWAY_SERVICES_DIR="$$dir" SPILLWAY_REQUIRE_SERVICES=1; \
+	echo "==> PostgreSQL and Redis for the tests: $$SPILLWAY_TEST_POSTGRES $$SPILLWAY_TEST_REDIS"; \
+	set -x; \
+	$(CARGO) test --workspace --exclude spillway-desktop; \
+	(cd ui && npm test); \
+	(cd ui && SPILLWAY_BIN=$(CURDIR)/target/debug/spillway npm run e2e); \
+	(cd ui && PATH="$$HOME/.cargo/bin:$$PATH" xvfb-run -a -s "-screen 0 1400x900x24" npm run e2e:desktop); \
 	SPILLWAY_BIN=$(CURDIR)/target/debug/spillway $(VENV)/bin/pytest tests -q -p no:cacheprovider
+
+## Three gateways (a, b, c) on one PostgreSQL ledger and one Redis (R1, R2), the servers private
+## in .fleet/ (or $SPILLWAY_FLEET_DIR); the first sends demo traffic. Prints each instance's
+## address and console link; Ctrl-C stops the gateways, then the servers.
+fleet: build-release deps-fleet
+	scripts/fleet
 
 ## The gateway beside a bare forwarder (the yardstick), against the same simulator, with a
 ## verdict line per performance target; JSON under bench/results/ (one file per run).
