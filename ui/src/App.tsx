@@ -5,6 +5,7 @@ import { AuditView } from './Audit'
 import { ConnectView } from './Connect'
 import { CostsView } from './Costs'
 import { DeadLettersView } from './DeadLetters'
+import { FleetView } from './Fleet'
 import { KeysView } from './Keys'
 import { LedgerView } from './Ledger'
 import { OverviewView } from './Overview'
@@ -50,9 +51,10 @@ export function App() {
       if (e.key === '8') navigate({ view: 'deadletters', id: null })
       if (e.key === '9') navigate({ view: 'policies', workflow: null })
       if (e.key === '0') navigate({ view: 'audit' })
-      // Letters past the ten digits: r and s are used by no view (the ledger's are /, j and k).
+      // Letters past the ten digits: r, s and f are used by no view (the ledger's are /, j and k).
       if (e.key === 'r') navigate({ view: 'recovery', id: null })
       if (e.key === 's') navigate({ view: 'scorecard', run: null, route: null })
+      if (e.key === 'f') navigate({ view: 'fleet' })
     }
     window.addEventListener('keydown', onKey)
     return () => window.removeEventListener('keydown', onKey)
@@ -88,6 +90,7 @@ export function App() {
           <a {...linkProps({ view: 'audit' })} aria-current={route.view === 'audit' ? 'page' : undefined} title="Audit log: every change, with who and why (0)">Audit</a>
           <a {...linkProps({ view: 'recovery', id: null })} aria-current={route.view === 'recovery' ? 'page' : undefined} title="Guided recovery: a route's checklist from isolation to close, and drills (r)">Recovery</a>
           <a {...linkProps({ view: 'scorecard', run: null, route: null })} aria-current={route.view === 'scorecard' ? 'page' : undefined} title="Scorecard: before, during and after an incident (s)">Scorecard</a>
+          <a {...linkProps({ view: 'fleet' })} aria-current={route.view === 'fleet' ? 'page' : undefined} title="Fleet: the gateway instances sharing the ledger and Redis, their heartbeats and load (f)">Fleet</a>
         </nav>
         <span className="muted gateway">{conn.url}</span>
         <button className="link" onClick={() => { sessionStorage.removeItem(KEY); setConn(null) }}>Disconnect</button>
@@ -105,6 +108,7 @@ export function App() {
         {route.view === 'audit' && <AuditView conn={conn} />}
         {route.view === 'recovery' && <RecoveriesView conn={conn} selected={route.id} />}
         {route.view === 'scorecard' && <ScorecardView conn={conn} run={route.run} route={route.route} />}
+        {route.view === 'fleet' && <FleetView conn={conn} />}
       </main>
     </>
   )

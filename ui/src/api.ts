@@ -41,6 +41,7 @@ import type { Overrun } from './bindings/Overrun'
 import type { RecoveryList } from './bindings/RecoveryList'
 import type { RecoveryView } from './bindings/RecoveryView'
 import type { Scorecard } from './bindings/Scorecard'
+import type { FleetView } from './bindings/FleetView'
 
 export type Connection = { url: string; token: string }
 
@@ -378,6 +379,10 @@ export function getScorecard(c: Connection, of: { run: string } | { route: strin
   const p = new URLSearchParams('run' in of ? { run: of.run } : { route: of.route })
   return call<Scorecard>(c, `/admin/v1/scorecard?${p}`)
 }
+
+/** R1, R2: the fleet's instances with their heartbeats and load, and Redis's state, as the
+ * instance answering knows them (from its memory: no ledger query per read). */
+export const getFleet = (c: Connection) => call<FleetView>(c, '/admin/v1/fleet')
 
 export type LiveEvent =
   | { kind: 'overview'; data: Overview }

@@ -27,6 +27,7 @@ describe('router', () => {
       { view: 'scorecard' as const, run: 'rc_1', route: null },
       { view: 'scorecard' as const, run: null, route: 'openai/gpt-4o-mini' },
       { view: 'scorecard' as const, run: 'rc_1&x=2#y', route: 'gemini/models name?#%' },
+      { view: 'fleet' as const },
     ]) {
       expect(parse(href(r))).toEqual(r)
     }

@@ -15,6 +15,7 @@ export type Route =
   | { view: 'audit' }
   | { view: 'recovery'; id: string | null }
   | { view: 'scorecard'; run: string | null; route: string | null }
+  | { view: 'fleet' }
 
 /** `path` may carry a query: the scorecard's run or route is there (`/scorecard?run=ID`). */
 export function parse(path: string): Route {
@@ -32,6 +33,7 @@ export function parse(path: string): Route {
   if (parts[0] === 'audit') return { view: 'audit' }
   if (parts[0] === 'recovery') return { view: 'recovery', id: parts[1] ?? null }
   if (parts[0] === 'scorecard') return { view: 'scorecard', run: search.get('run') || null, route: search.get('route') || null }
+  if (parts[0] === 'fleet') return { view: 'fleet' }
   return { view: 'overview' }
 }
 
@@ -67,6 +69,8 @@ export function href(r: Route): string {
       const s = p.toString()
       return s ? `/scorecard?${s}` : '/scorecard'
     }
+    case 'fleet':
+      return '/fleet'
   }
 }
 
