@@ -76,6 +76,12 @@ struct Args {
     /// beside a healthy one (0 skips it).
     #[arg(long, default_value_t = 500)]
     dead_channel_rate: u64,
+    /// Request rate of the fleet run: three instances on PostgreSQL + Redis (0 skips it).
+    #[arg(long, default_value_t = 500)]
+    fleet_rate: u64,
+    /// The script that starts private PostgreSQL and Redis servers for the fleet run.
+    #[arg(long, default_value = "scripts/services")]
+    services: PathBuf,
 }
 
 #[derive(Serialize)]
@@ -395,15 +401,16 @@ async fn fixed_rate_with(
     rate: u64,
     secs: u64,
 ) -> Percentiles {
-    fixed_rate_keyed(client, url, key, payload, stream, rate, secs, None).await
+    fixed_rate_keyed(client, &[url], key, payload, stream, rate, secs, None).await
 }
 
 /// [`fixed_rate_with`], each request with an `Idempotency-Key` of its own when `keys`
-/// names a prefix (I2: every request claims a key and stores its response).
+/// names a prefix (I2: every request claims a key and stores its response). Requests go
+/// to `urls` in turn (a fleet's instances behind a round-robin balancer).
 #[allow(clippy::too_many_arguments)]
 async fn fixed_rate_keyed(
     client: &HttpClient,
-    url: &str,
+    urls: &[&str],
     key: &str,
     payload: Bytes,
     stream: bool,
@@ -430,7 +437,7 @@ async fn fixed_rate_keyed(
         tokio::time::sleep_until(scheduled.into()).await;
         let (client, url, key, payload, hist, failed, attempts, lag, last_done) = (
             client.clone(),
-            url.to_owned(),
+            urls[i as usize % urls.len()].to_owned(),
             key.to_owned(),
             payload.clone(),
             hist.clone(),
@@ -498,14 +505,19 @@ async fn fixed_rate_keyed(
 }
 
 async fn max_throughput(client: &HttpClient, url: &str, key: &str, concurrency: usize, secs: u64) -> f64 {
+    max_throughput_spread(client, &[url], key, concurrency, secs).await
+}
+
+/// [`max_throughput`] with the connections spread over `urls` (a fleet's instances).
+async fn max_throughput_spread(client: &HttpClient, urls: &[&str], key: &str, concurrency: usize, secs: u64) -> f64 {
     let payload = body(false);
     let done = Arc::new(AtomicU64::new(0));
     let end = Instant::now() + Duration::from_secs(secs);
     let mut tasks = Vec::new();
-    for _ in 0..concurrency {
+    for c in 0..concurrency {
         let (client, url, key, payload, done) = (
             client.clone(),
-            url.to_owned(),
+            urls[c % urls.len()].to_owned(),
             key.to_owned(),
             payload.clone(),
             done.clone(),
@@ -813,6 +825,24 @@ struct Report {
     ledger_rows: u64,
     ledger_search: Vec<SearchTiming>,
     verdicts: Vec<Verdict>,
+    fleet: Option<FleetRun>,
+}
+
+/// R1, R2: three instances on one PostgreSQL ledger and one Redis, the load spread over
+/// them, beside the single instance on SQLite measured above. The fleet's key has limits
+/// (so every request takes a Redis rate check and concurrency lease); the single
+/// instance's has none.
+#[derive(Serialize)]
+struct FleetRun {
+    instances: usize,
+    closed_loop_rps: f64,
+    single_closed_loop_rps: f64,
+    rate_rps: u64,
+    added_p50_us: i64,
+    added_p99_us: i64,
+    single_added_p50_us: i64,
+    single_added_p99_us: i64,
+    failed: u64,
 }
 
 #[derive(Serialize)]
@@ -1210,7 +1240,7 @@ async fn main() -> Result<()> {
         let prefix = format!("bench-{rate}-{}", std::process::id());
         let lat = fixed_rate_keyed(
             &client,
-            &spillway.url("bench"),
+            &[&spillway.url("bench")],
             key,
             body(false),
             false,
@@ -1239,6 +1269,26 @@ async fn main() -> Result<()> {
     };
     drop(gw);
     drop(fwd);
+
+    let fleet = if args.fleet_rate > 0 {
+        let single = rows
+            .iter()
+            .find(|r| r.kind == "non-streaming" && r.rate_rps == args.fleet_rate);
+        match single {
+            Some(single) => {
+                Some(fleet_run(&args, &client, &sim_url, key, single, closed_loop.spillway_rps, &dir).await?)
+            }
+            None => {
+                eprintln!(
+                    "the fleet run needs a non-streaming phase at its rate ({} req/s); skipped",
+                    args.fleet_rate
+                );
+                None
+            }
+        }
+    } else {
+        None
+    };
 
     eprintln!("measuring what a durable commit costs ...");
     let commits = commit_cost(2000).await?;
@@ -1547,6 +1597,35 @@ async fn main() -> Result<()> {
         }
         judge(v, m, 100.0 * 1024.0);
     }
+    if let Some(f) = &fleet {
+        println!(
+            "\nFleet (R1, R2): {} instances on one PostgreSQL ledger and one Redis, load spread over them; the key has limits, so each request takes a Redis rate check and concurrency lease\n",
+            f.instances
+        );
+        println!("| {:<34} | {:>16} | {:>16} |", "", "fleet", "single (SQLite)");
+        println!("|---|---|---|");
+        println!(
+            "| {:<34} | {:>12.0} r/s | {:>12.0} r/s |",
+            format!("closed loop, {} connections", args.concurrency),
+            f.closed_loop_rps,
+            f.single_closed_loop_rps
+        );
+        println!(
+            "| {:<34} | {:>16} | {:>16} |",
+            format!("added p50 at {} req/s", f.rate_rps),
+            signed_us(f.added_p50_us),
+            signed_us(f.single_added_p50_us)
+        );
+        println!(
+            "| {:<34} | {:>16} | {:>16} |",
+            format!("added p99 at {} req/s", f.rate_rps),
+            signed_us(f.added_p99_us),
+            signed_us(f.single_added_p99_us)
+        );
+        if f.failed > 0 {
+            println!("({} fleet requests failed)", f.failed);
+        }
+    }
     println!();
     for l in &lines {
         println!("{l}");
@@ -1583,6 +1662,7 @@ async fn main() -> Result<()> {
         ledger_rows: args.ledger_rows,
         ledger_search: searches,
         verdicts,
+        fleet,
     };
     std::fs::create_dir_all(&args.out)?;
     let json = serde_json::to_string_pretty(&report)?;
@@ -1590,6 +1670,111 @@ async fn main() -> Result<()> {
     std::fs::write(args.out.join("latest.json"), &json)?;
     println!("results: {}", args.out.join("latest.json").display());
     Ok(())
+}
+
+/// The private PostgreSQL and Redis of the fleet run, stopped when dropped.
+struct Services {
+    script: PathBuf,
+    dir: PathBuf,
+}
+
+impl Drop for Services {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new(&self.script)
+            .arg("stop")
+            .arg(&self.dir)
+            .status();
+    }
+}
+
+/// R1, R2: three instances sharing a PostgreSQL ledger and a Redis, the load spread over
+/// them in turn, as a round-robin balancer would.
+async fn fleet_run(
+    args: &Args,
+    client: &HttpClient,
+    sim_url: &str,
+    key: &str,
+    single: &Row,
+    single_closed_rps: f64,
+    dir: &tempfile::TempDir,
+) -> Result<FleetRun> {
+    eprintln!("starting PostgreSQL and Redis for the fleet run ...");
+    let sdir = dir.path().join("services");
+    let out = std::process::Command::new(&args.services)
+        .arg("start")
+        .arg(&sdir)
+        .output()
+        .with_context(|| format!("cannot run {}", args.services.display()))?;
+    let _services = Services {
+        script: args.services.clone(),
+        dir: sdir,
+    };
+    anyhow::ensure!(
+        out.status.success(),
+        "{} start failed: {}",
+        args.services.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let var = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("export {name}=")).map(str::to_owned))
+            .with_context(|| format!("{name} not in the services' output"))
+    };
+    let (pg, redis) = (var("SPILLWAY_TEST_POSTGRES")?, var("SPILLWAY_TEST_REDIS")?);
+    let created = std::process::Command::new("psql")
+        .arg(&pg)
+        .args(["-q", "-c", "CREATE DATABASE bench"])
+        .status()?;
+    anyhow::ensure!(created.success(), "could not create the fleet's database");
+    let ledger = match pg.rsplit_once('/') {
+        Some((server, _)) => format!("{server}/bench"),
+        None => anyhow::bail!("unexpected PostgreSQL URL"),
+    };
+    let config = dir.path().join("fleet.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:0\nledger: {ledger}\nredis: {redis}\nserver: {{max_connections: 8192}}\nchannels:\n  - name: bench\n    format: openai\n    base_url: {sim_url}/bench\n    models: [gpt-4o-mini]\n    max_concurrency: 4096\nkeys:\n  - name: bench\n    owner: bench\n    secret_env: BENCH_KEY\n    rpm: 100000000\n    max_concurrency: 100000\nowners:\n  - name: bench\n    balance_usd: 1000000\n"
+        ),
+    )?;
+    let mut gws = Vec::new();
+    let mut urls = Vec::new();
+    for name in ["bench-a", "bench-b", "bench-c"] {
+        let (p, url) = spawn(
+            &args.spillway,
+            &[
+                "serve",
+                "--config",
+                config.to_str().context("path")?,
+                "--instance",
+                name,
+            ],
+            &[("BENCH_KEY", key)],
+            "spillway listening on ",
+        )?;
+        gws.push(p);
+        urls.push(format!("{url}/v1/chat/completions"));
+    }
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let secs = args.seconds;
+    eprintln!("measuring the fleet: closed loop over three instances ...");
+    let closed = max_throughput_spread(client, &urls, key, args.concurrency, secs).await;
+    eprintln!("measuring the fleet at {} req/s ...", args.fleet_rate);
+    let lat = fixed_rate_keyed(client, &urls, key, body(false), false, args.fleet_rate, secs, None).await;
+    drop(gws);
+    Ok(FleetRun {
+        instances: urls.len(),
+        closed_loop_rps: closed,
+        single_closed_loop_rps: single_closed_rps,
+        rate_rps: args.fleet_rate,
+        added_p50_us: lat.p50_us as i64 - single.direct.p50_us as i64,
+        added_p99_us: lat.p99_us as i64 - single.direct.p99_us as i64,
+        single_added_p50_us: single.spillway_added_p50_us,
+        single_added_p99_us: single.spillway_added_p99_us,
+        failed: lat.failed,
+    })
 }
 
 /// Latency figures for a phase that measures throughput only.

@@ -2,7 +2,7 @@
 // SQLite ledger) and the built console, driven in Debian's Chromium.
 import { after, before, test } from 'node:test'
 import assert from 'node:assert/strict'
-import { spawn } from 'node:child_process'
+import { spawn, spawnSync } from 'node:child_process'
 import { mkdtempSync, readFileSync, mkdirSync } from 'node:fs'
 import { tmpdir } from 'node:os'
 import { dirname, join, resolve } from 'node:path'
@@ -733,4 +733,44 @@ test('an operator runs a drill from the breaker to a closed recovery with an exp
     await p?.context().close()
     g.proc.kill('SIGTERM')
   }
+})
+
+test('the fleet view shows the instances sharing a PostgreSQL ledger, and a killed one taken over', async (t) => {
+  // spec: R1, R2
+  const pg = process.env.SPILLWAY_TEST_POSTGRES
+  const redis = process.env.SPILLWAY_TEST_REDIS
+  if (!pg || !redis) {
+    assert.notEqual(process.env.SPILLWAY_REQUIRE_SERVICES, '1', 'SPILLWAY_TEST_POSTGRES and SPILLWAY_TEST_REDIS are not set (make test sets them)')
+    t.skip('no PostgreSQL and Redis: run through make test')
+    return
+  }
+  const db = `e2e_fleet_${process.pid}_${Date.now()}`
+  const made = spawnSync('psql', ['-X', '-q', '-v', 'ON_ERROR_STOP=1', '-d', pg, '-c', `CREATE DATABASE ${db}`], { encoding: 'utf8' })
+  assert.equal(made.status, 0, made.stderr)
+  const ledger = `${pg.slice(0, pg.lastIndexOf('/'))}/${db}`
+  const data = mkdtempSync(join(tmpdir(), 'spillway-e2e-fleet-'))
+  const config = demoConfigWith(root, data, 'fleet: {heartbeat_ms: 300, stale_after_ms: 1500}')
+  const token = () => readFileSync(join(data, 'admin-token'), 'utf8').trim()
+  const start = (name) => ownGateway(data, ['--config', config, '--ledger', ledger, '--redis', redis, '--instance', name])
+  const a = await start('east-1')
+  after(() => a.proc.kill('SIGKILL'))
+  const b = await start('east-2')
+  after(() => b.proc.kill('SIGKILL'))
+  const p = await page()
+  await p.goto(`${a.url}/#token=${token()}`)
+  await p.getByRole('link', { name: 'Fleet' }).click()
+  const row = (name) => p.getByTestId(`fleet-instance-${name}`)
+  await until('both instances live', async () =>
+    (await row('east-1').getAttribute('data-status').catch(() => null)) === 'live'
+    && (await row('east-2').getAttribute('data-status').catch(() => null)) === 'live')
+  assert.equal(await p.getByTestId('fleet-ledger').textContent().then((s) => /postgres/i.test(s)), true)
+  assert.equal(await p.getByTestId('fleet-redis-state').textContent(), 'up')
+  // One of them dies: a survivor takes it over after its heartbeat goes stale.
+  b.proc.kill('SIGKILL')
+  await until('the dead one taken over', async () =>
+    (await row('east-2').getAttribute('data-status').catch(() => null)) === 'taken_over', 20_000)
+  assert.match(await row('east-2').textContent(), /east-1/)
+  await accessible(p, 'the fleet view')
+  await p.screenshot({ path: join(SHOTS, 'fleet-browser.png'), fullPage: true })
+  await p.context().close()
 })
