@@ -1852,7 +1852,7 @@ owners:
             ),
             ("models: [gpt-4o-mini]", "models: []", "channels[0].models"),
             ("listen: 127.0.0.1:0", "listen: localhost", "listen"),
-            ("ledger: sqlite://ledger.db", "ledger: postgres://x", "ledger"),
+            ("ledger: sqlite://ledger.db", "ledger: mysql://x", "ledger"),
             (
                 "secret_env: SPILLWAY_APP_KEY",
                 "secret_env: SHORT",
