@@ -115,6 +115,15 @@ fn mib(bytes: u64) -> String {
 
 async fn prune(config: Option<PathBuf>, ledger: Option<PathBuf>, older_than_days: Option<u32>) -> Result<()> {
     let c = launch::load(config.as_deref())?;
+    let on_postgres = ledger.as_deref().and_then(|p| p.to_str()).map_or(
+        matches!(c.ledger, Some(spillway_policy::LedgerLocation::Postgres(_))),
+        |p| p.starts_with("postgres://") || p.starts_with("postgresql://"),
+    );
+    if on_postgres {
+        anyhow::bail!(
+            "this ledger is a fleet's PostgreSQL database, not a file: prune it from any running instance (the console's Overview → Ledger → Prune, or POST /admin/v1/ledger/prune)"
+        );
+    }
     let path = launch::ledger_path(ledger.as_deref(), &c)?;
     if !path.exists() {
         anyhow::bail!("no ledger at {}: nothing to prune", path.display());
@@ -263,14 +272,15 @@ struct ServeArgs {
     #[arg(long)]
     listen: Option<SocketAddr>,
     /// Ledger file, or a PostgreSQL URL (postgres://user@host:port/db) for a fleet;
-    /// overrides the config. Default: ledger.db in the data directory.
-    #[arg(long)]
+    /// overrides the config. Default: ledger.db in the data directory. A URL with a
+    /// password belongs in the environment, not on a command line others can list.
+    #[arg(long, env = "SPILLWAY_LEDGER", hide_env_values = true)]
     ledger: Option<PathBuf>,
     /// This instance's name in a fleet (default: host:port); overrides fleet.instance.
-    #[arg(long)]
+    #[arg(long, env = "SPILLWAY_INSTANCE")]
     instance: Option<String>,
     /// The fleet's Redis (redis://host:port/db); overrides the config's `redis`.
-    #[arg(long)]
+    #[arg(long, env = "SPILLWAY_REDIS", hide_env_values = true)]
     redis: Option<String>,
     /// Send demo traffic to the simulated providers, at this many requests per second.
     #[arg(long, num_args = 0..=1, default_missing_value = "4", value_name = "RPS")]

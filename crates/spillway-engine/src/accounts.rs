@@ -416,6 +416,14 @@ impl Accounts {
             .collect();
         let seeded = ledger.store().seed_owners(&seeds, now).await?;
         let a = ledger.store().accounts().await?;
+        // Read again (a fleet's instances do, every few heartbeats): a key revoked
+        // elsewhere is refused here too.
+        for k in a.keys.iter().filter(|k| k.revoked_at.is_some()) {
+            self.keys
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .retain(|_, rt| !(rt.made && rt.key.name == k.name));
+        }
         for k in a.keys.iter().filter(|k| k.revoked_at.is_none()) {
             let Ok(bytes) = hex::decode(&k.secret_sha256) else {
                 continue;
@@ -423,9 +431,13 @@ impl Accounts {
             let Ok(secret) = <[u8; 32]>::try_from(bytes.as_slice()) else {
                 continue;
             };
-            if self.key_by_name(&k.name).is_some() {
-                tracing::warn!(key = %k.name, "a key made in the console has the name of a config key; the config's wins");
-                continue;
+            match self.key_by_name(&k.name) {
+                Some(known) if known.made => continue,
+                Some(_) => {
+                    tracing::warn!(key = %k.name, "a key made in the console has the name of a config key; the config's wins");
+                    continue;
+                }
+                None => {}
             }
             self.insert_key(made_key(k, KeySecret(secret)), Some(k));
         }

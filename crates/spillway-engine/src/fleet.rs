@@ -19,6 +19,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 use ts_rs::TS;
 
+/// Heartbeats between two reads of the fleet's keys, balances and spend limits.
+const ACCOUNTS_EVERY: u64 = 5;
+
 /// This instance in its fleet.
 pub struct Fleet {
     /// Its name: stable across restarts.
@@ -191,15 +194,24 @@ pub async fn join(st: &AppState) -> Result<(), String> {
     Ok(())
 }
 
-/// Marks the instance stopped on the way out (its job leases go with it).
+/// On the way out, once the ledger has taken the last records: a request still in
+/// `calling_api` (its final record could not be written) becomes `unknown`, as a crash's
+/// would (a stopped instance is never taken over), then the instance is marked stopped
+/// and its job leases go with it.
 pub async fn leave(st: &AppState) {
-    if st.fleet.shared_ledger
-        && let Err(e) = st
-            .ledger
-            .store()
-            .instance_stopped(&st.fleet.instance, clock::now())
-            .await
-    {
+    if !st.fleet.shared_ledger {
+        return;
+    }
+    let store = st.ledger.store();
+    match store.mark_interrupted_unknown().await {
+        Ok(0) => {}
+        Ok(n) => tracing::warn!(
+            requests = n,
+            "requests still calling a provider at shutdown are unknown now"
+        ),
+        Err(e) => tracing::warn!(error = %e, "could not mark this instance's interrupted requests"),
+    }
+    if let Err(e) = store.instance_stopped(&st.fleet.instance, clock::now()).await {
         tracing::warn!(error = %e, "could not mark this instance stopped in the ledger");
     }
 }
@@ -219,7 +231,7 @@ pub fn upkeep(st: &Arc<AppState>) {
                 return;
             }
             if st.fleet.shared_ledger {
-                beat(&st).await;
+                beat(&st, round).await;
             }
             if let Some(sh) = st.shared.clone() {
                 redis_health(&st, &sh, round).await;
@@ -235,11 +247,44 @@ pub fn upkeep(st: &Arc<AppState>) {
     }
 }
 
-async fn beat(st: &Arc<AppState>) {
+async fn beat(st: &Arc<AppState>, round: u64) {
     let f = &st.fleet;
     let store = st.ledger.store();
     let now = clock::now();
     let stale = st.config.fleet.stale_after_ms as i64;
+    // Taken over while alive (its heartbeats stalled past stale_after_ms): the survivor
+    // made this instance's in-flight requests unknown and released its jobs. It serves on,
+    // but an operator must know: its later records of those requests were refused.
+    let me = f
+        .instances
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .find(|r| r.id == f.instance)
+        .cloned();
+    if let Ok(rows) = store.instances().await
+        && let Some(mine) = rows.iter().find(|r| r.id == f.instance && r.boot == f.boot)
+        && let Some(by) = &mine.taken_over_by
+        && me.as_ref().is_none_or(|m| m.taken_over_by.is_none())
+    {
+        st.alert(
+            Severity::Critical,
+            format!("This instance ({}) was taken over by {by} while it was running", f.instance),
+            format!(
+                "Its heartbeat was not written for {stale} ms (a stalled process, an overloaded database, or a clock jump). {} request(s) it was sending were marked unknown and its job leases released; it serves on and writes its heartbeat again. Reconcile those requests in Unknown outcomes; raise fleet.stale_after_ms if this recurs.",
+                mine.unknowns
+            ),
+            Some(f.instance.clone()),
+        );
+    }
+    // B3-B5 across the fleet: keys made or revoked, top-ups and spend limits set on other
+    // instances, and every instance's spend, read back from the shared ledger.
+    if round > 0
+        && round.is_multiple_of(ACCOUNTS_EVERY)
+        && let Err(e) = st.accounts.load(&st.config, &st.ledger, now).await
+    {
+        tracing::warn!(error = %e, "could not read the fleet's keys and balances");
+    }
     if let Err(e) = store.heartbeat(&f.row(st), UnixMs(now.0 + 3 * stale)).await {
         tracing::warn!(error = %e, "heartbeat not written");
         return;
@@ -289,11 +334,7 @@ async fn took_over(st: &Arc<AppState>, t: TakeOver) {
 
 async fn redis_health(st: &Arc<AppState>, sh: &Arc<Shared>, round: u64) {
     let was_up = sh.is_up();
-    let ok = match sh.ping().await {
-        Ok(()) => sh.renew().await,
-        Err(e) => Err(e),
-    };
-    match ok {
+    match sh.ping().await {
         Ok(()) => {
             sh.set_up(true);
             // An outage too short to be alerted ends quietly.
@@ -347,19 +388,23 @@ fn apply(st: &Arc<AppState>, sh: &Shared, raw: &str) {
 }
 
 /// F4 across the fleet: once a second, each route's budget counts go to Redis and the
-/// other instances' come back.
+/// other instances' come back. B2: the concurrency leases this instance holds are renewed
+/// every tenth second, well within their time to live, whatever the heartbeat.
 fn share_budgets(st: &Arc<AppState>, sh: Arc<Shared>) {
     let weak = Arc::downgrade(st);
     tokio::spawn(async move {
         let mut every = tokio::time::interval(Duration::from_secs(1));
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        loop {
+        for tick in 0u64.. {
             every.tick().await;
             let Some(st) = weak.upgrade() else { return };
             if st.shutdown.cancel.is_cancelled() {
                 return;
             }
             if !sh.is_up() {
+                continue;
+            }
+            if tick.is_multiple_of(10) && sh.renew().await.is_err() {
                 continue;
             }
             let now = clock::now().0;

@@ -978,12 +978,13 @@ async fn refresh(st: &AppState) {
     let mut any = false;
     for j in rows {
         newest = newest.max(j.updated_at.0);
+        // Unchanged since memory saw it (the window overlaps the last read), running
+        // here, or held by an operator's action: memory stands.
         let keep_ours = inner.claimed.contains(&j.id)
-            || inner
-                .open
-                .get(&j.id)
-                .is_some_and(|m| m.state == RUNNING || m.updated_at > j.updated_at);
-        if keep_ours {
+            || inner.open.get(&j.id).is_some_and(|m| {
+                m.state == RUNNING || m.updated_at > j.updated_at || m.updated_at == j.updated_at && m.state == j.state
+            });
+        if keep_ours || j.lane.is_none() && !inner.open.contains_key(&j.id) {
             continue;
         }
         any = true;
@@ -1027,6 +1028,32 @@ async fn lease(st: &AppState, mut j: JobRecord, was: UnixMs) -> Option<JobRecord
             j.attempt = j.attempt.saturating_sub(1);
             j.updated_at = was;
             st.jobs.lock().open.insert(j.id.clone(), j);
+            None
+        }
+    }
+}
+
+/// R1: a job this pass would file (past its age, nothing in rotation) is leased first
+/// on a fleet's ledger, like a run: one instance files it, and never while another runs it.
+/// The ledger's row is what is filed; None when another instance holds it.
+async fn hold_for_filing(st: &AppState, j: JobRecord) -> Option<JobRecord> {
+    if !st.fleet.shared_ledger {
+        return Some(j);
+    }
+    let now = clock::now();
+    let until = UnixMs(now.0 + 3 * st.config.fleet.stale_after_ms as i64);
+    match st.ledger.store().lease_job(&j.id, &st.fleet.instance, now, until).await {
+        Ok(Some(mut fresh)) => {
+            fresh.body = None;
+            fresh.result = None;
+            Some(fresh)
+        }
+        other => {
+            if let Err(e) = other {
+                tracing::warn!(error = %e, job = %j.id, "could not lease a job to file it; it waits");
+            }
+            st.fleet
+                .note_leased_elsewhere(&j.id, UnixMs(now.0 + st.config.fleet.heartbeat_ms as i64));
             None
         }
     }
@@ -1134,7 +1161,10 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
             go.push((j, key_for_slot, was));
         }
     }
-    for mut j in expired {
+    for j in expired {
+        let Some(mut j) = hold_for_filing(st, j).await else {
+            continue;
+        };
         j.updated_at = now;
         let reason = DeadLetterTrigger::MaxQueueAgeExceeded;
         j.last_error
@@ -1154,7 +1184,10 @@ async fn release(st: &Arc<AppState>, router: &axum::Router) -> Option<Duration> 
             save_or_hold(st, jobs, &[audit]).await;
         }
     }
-    for (mut j, why) in blocked {
+    for (j, why) in blocked {
+        let Some(mut j) = hold_for_filing(st, j).await else {
+            continue;
+        };
         let wf = st.workflows.for_job(&j.workflow);
         let t = if why.contains("credential") {
             ReviewTrigger::PermissionDenied

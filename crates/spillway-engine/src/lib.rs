@@ -171,9 +171,10 @@ impl Running {
             // The SDK's shutdown blocks while it exports what is left.
             let _ = tokio::task::spawn_blocking(move || o.shutdown()).await;
         }
-        fleet::leave(st).await;
         // Closing twice is harmless: a second finish returns once the first has flushed.
-        Ok(st.ledger.close(Duration::from_secs(5)).await?)
+        let closed = st.ledger.close(Duration::from_secs(5)).await;
+        fleet::leave(st).await;
+        Ok(closed?)
     }
 }
 

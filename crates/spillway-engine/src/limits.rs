@@ -390,6 +390,37 @@ mod tests {
         drop(first);
     }
 
+    #[tokio::test]
+    async fn r2_what_a_share_admitted_in_an_outage_is_charged_to_the_fleet_when_redis_is_back() {
+        // spec: R2
+        let Some(url) = test_redis() else { return };
+        let mut k = key(Some(3), None);
+        k.name = unique("charge");
+        let sh = Shared::new(&url, "a", Some(1)).unwrap();
+        let l = KeyLimits::new(&k);
+        // Redis is taken for gone: this instance's share (all of it, N = 1) admits one.
+        sh.set_up(false);
+        assert!(l.acquire(Some(&sh), Duration::ZERO, true).await.is_ok());
+        sh.set_up(true);
+        // Back: the one admitted meanwhile is charged first, so the minute's 3 are 2 now.
+        let admitted = {
+            let mut n = 0;
+            for _ in 0..5 {
+                n += usize::from(l.acquire(Some(&sh), Duration::ZERO, true).await.is_ok());
+            }
+            n
+        };
+        assert_eq!(admitted, 2);
+        // A long outage's admissions never lock the key out past a minute.
+        sh.set_up(false);
+        for _ in 0..1000 {
+            l.unpaid.fetch_add(1, Ordering::AcqRel);
+        }
+        sh.set_up(true);
+        let e = l.acquire(Some(&sh), Duration::ZERO, true).await.err().unwrap();
+        assert!(e.retry_after_s <= 60, "{e:?}");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn b1_token_counting_takes_no_rate_unless_the_key_says_so() {
         // spec: B1

@@ -32,14 +32,14 @@ const BREAKER_CHANNEL: &str = "spillway:breaker";
 /// cannot reach Redis).
 const BUDGET_FRESH_MS: i64 = 3_000;
 
-/// GCRA on Redis time. KEYS[1]: the key's theoretical arrival time (ms). ARGV: emission
-/// interval and burst tolerance (ms). Returns 0 when the request conforms (and takes its
-/// place), else the ms until it would.
+/// GCRA on Redis time, in microseconds (Lua's numbers hold them exactly). KEYS[1]: the
+/// key's theoretical arrival time. ARGV: emission interval and burst tolerance. Returns 0
+/// when the request conforms (and takes its place), else the microseconds until it would.
 static GCRA: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local interval = tonumber(ARGV[1])
 local tolerance = tonumber(ARGV[2])
 local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -47,24 +47,26 @@ if tat < now then tat = now end
 local wait = tat - now - tolerance
 if wait > 0 then return wait end
 local new = tat + interval
-redis.call('SET', KEYS[1], new, 'PX', new - now + 1000)
+redis.call('SET', KEYS[1], string.format('%d', new), 'PX', math.floor((new - now) / 1000) + 1000)
 return 0
 ",
     )
 });
 
 /// Charges a key's rate with requests admitted without Redis (during an outage, on an
-/// instance's own share): they move its theoretical arrival time on, refusing nothing.
+/// instance's own share): they move its theoretical arrival time on, refusing nothing,
+/// and never past a minute from now: what a long outage admitted is older than the
+/// window a rate per minute judges, and must not lock the key out for as long again.
 /// KEYS[1]: the key's theoretical arrival time; ARGV: emission interval, requests.
 static CHARGE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
 if tat < now then tat = now end
-tat = tat + tonumber(ARGV[1]) * tonumber(ARGV[2])
-redis.call('SET', KEYS[1], tat, 'PX', tat - now + 1000)
+tat = math.min(tat + tonumber(ARGV[1]) * tonumber(ARGV[2]), now + 60000000)
+redis.call('SET', KEYS[1], string.format('%d', tat), 'PX', math.floor((tat - now) / 1000) + 1000)
 return 0
 ",
     )
@@ -101,12 +103,11 @@ return 1
     )
 });
 
-/// A rate's emission interval and burst tolerance, whole milliseconds: a minute's
-/// allowance at once, then one every interval. (Microseconds would need floats in the
-/// script; whole milliseconds are within the ±1 request a minute the rule allows.)
+/// A rate's emission interval and burst tolerance in microseconds: a minute's allowance
+/// at once, then one every interval.
 fn gcra_params(rpm: u32) -> (u64, u64) {
-    let interval_ms = (60_000.0 / f64::from(rpm.max(1))).round().max(1.0) as u64;
-    (interval_ms, 60_000u64.saturating_sub(interval_ms))
+    let interval_us = (60_000_000 / u64::from(rpm.max(1))).max(1);
+    (interval_us, 60_000_000u64.saturating_sub(interval_us))
 }
 
 /// Redis did not answer (or answered with an error): the caller falls back to its local
@@ -242,30 +243,30 @@ impl Shared {
     /// B1 across the fleet: 0 when a request of key `key` (at most `rpm` a minute, a full
     /// minute's burst) may go now, else how long until it may.
     pub async fn rate(&self, key: &str, rpm: u32) -> Result<Duration, Down> {
-        let (interval_ms, tolerance) = gcra_params(rpm);
+        let (interval_us, tolerance) = gcra_params(rpm);
         let mut c = self.conn();
         let wait: i64 = self.note(
             timed(
                 GCRA.key(format!("{PREFIX}:rpm:{key}"))
-                    .arg(interval_ms)
+                    .arg(interval_us)
                     .arg(tolerance)
                     .invoke_async(&mut c),
             )
             .await,
         )?;
-        Ok(Duration::from_millis(wait.max(0) as u64))
+        Ok(Duration::from_micros(wait.max(0) as u64))
     }
 
     /// R2: `n` requests of key `key` admitted on this instance's share while Redis was
     /// unreachable, charged to the fleet's rate now that it is back.
     pub async fn charge(&self, key: &str, rpm: u32, n: u32) -> Result<(), Down> {
-        let (interval_ms, _) = gcra_params(rpm);
+        let (interval_us, _) = gcra_params(rpm);
         let mut c = self.conn();
         let _: i64 = self.note(
             timed(
                 CHARGE
                     .key(format!("{PREFIX}:rpm:{key}"))
-                    .arg(interval_ms)
+                    .arg(interval_us)
                     .arg(n)
                     .invoke_async(&mut c),
             )

@@ -328,6 +328,9 @@ async fn lock_balances(conn: &mut PgConnection) -> Result<()> {
 
 pub struct PgBackend {
     pool: PgPool,
+    /// One connection of its own for heartbeats and take-overs: a request path that holds
+    /// every pooled connection must not make a live instance look dead.
+    beat: PgPool,
     /// This gateway instance's name, stamped on every request row it inserts.
     instance: String,
 }
@@ -343,6 +346,12 @@ impl PgBackend {
         let pool = PgPoolOptions::new()
             .max_connections(8)
             .acquire_timeout(Duration::from_secs(5))
+            .connect_with(options.clone())
+            .await
+            .map_err(|e| Error::Unavailable(format!("cannot reach the PostgreSQL ledger: {e}")))?;
+        let beat = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
             .connect_with(options)
             .await
             .map_err(|e| Error::Unavailable(format!("cannot reach the PostgreSQL ledger: {e}")))?;
@@ -351,6 +360,7 @@ impl PgBackend {
         sqlx::migrate!("./migrations/postgres").run(&pool).await?;
         Ok(PgBackend {
             pool,
+            beat,
             instance: instance.to_owned(),
         })
     }
@@ -1639,12 +1649,14 @@ impl LedgerBackend for PgBackend {
     }
 
     async fn heartbeat(&self, row: &InstanceRow, lease_until: UnixMs) -> Result<()> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.beat.begin().await?;
         // A heartbeat means the instance is alive: a restarted one that was marked stopped
-        // (or taken over) is live again.
+        // (or taken over) is live again. Its time is the database's: instances' clocks
+        // disagree, and one running ahead would otherwise take every other over.
         sqlx::query(
             "INSERT INTO instances (id, boot, listen, version, started_at, heartbeat_at, stopped_at, taken_over_by, \
-             unknowns, load) VALUES ($1, $2, $3, $4, $5, $6, NULL, NULL, 0, $7) \
+             unknowns, load) VALUES ($1, $2, $3, $4, $5, (extract(epoch FROM clock_timestamp()) * 1000)::BIGINT, \
+             NULL, NULL, 0, $6) \
              ON CONFLICT (id) DO UPDATE SET boot = excluded.boot, listen = excluded.listen, \
              version = excluded.version, started_at = excluded.started_at, heartbeat_at = excluded.heartbeat_at, \
              load = excluded.load, stopped_at = NULL, taken_over_by = NULL, unknowns = 0",
@@ -1654,7 +1666,6 @@ impl LedgerBackend for PgBackend {
         .bind(&row.listen)
         .bind(&row.version)
         .bind(row.started_at.0)
-        .bind(row.heartbeat_at.0)
         .bind(&row.load)
         .execute(&mut *tx)
         .await?;
@@ -1671,34 +1682,38 @@ impl LedgerBackend for PgBackend {
         let rows = sqlx::query(AssertSqlSafe(format!(
             "SELECT {INSTANCE_COLUMNS} FROM instances ORDER BY (stopped_at IS NULL) DESC, id"
         )))
-        .fetch_all(&self.pool)
+        .fetch_all(&self.beat)
         .await?;
         rows.iter().map(instance_from_row).collect()
     }
 
     async fn take_over(&self, by: &str, stale_before: UnixMs, at: UnixMs) -> Result<Vec<TakeOver>> {
+        // Heartbeats carry the database's time: staleness is judged on it too, the caller's
+        // `at - stale_before` being how old is too old.
+        let stale_ms = at.0 - stale_before.0;
         let candidates: Vec<String> = sqlx::query_scalar(
-            "SELECT id FROM instances WHERE stopped_at IS NULL AND heartbeat_at < $1 AND id <> $2 ORDER BY id",
+            "SELECT id FROM instances WHERE stopped_at IS NULL AND id <> $2 \
+             AND heartbeat_at < (extract(epoch FROM clock_timestamp()) * 1000)::BIGINT - $1 ORDER BY id",
         )
-        .bind(stale_before.0)
+        .bind(stale_ms)
         .bind(by)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.beat)
         .await?;
         let mut taken = Vec::new();
         for id in candidates {
-            let mut tx = self.pool.begin().await?;
+            let mut tx = self.beat.begin().await?;
             // The claim: survivors racing for one instance queue on its row, and the ones
             // after the first find it stopped (PostgreSQL re-checks the condition on the
             // row the first committed) and leave it. An instance that heartbeated since
             // the candidates were read is not taken either.
             let claimed: Option<String> = sqlx::query_scalar(
-                "UPDATE instances SET stopped_at = $1, taken_over_by = $2 \
-                 WHERE id = $3 AND stopped_at IS NULL AND heartbeat_at < $4 RETURNING id",
+                "UPDATE instances SET stopped_at = (extract(epoch FROM clock_timestamp()) * 1000)::BIGINT, \
+                 taken_over_by = $1 WHERE id = $2 AND stopped_at IS NULL \
+                 AND heartbeat_at < (extract(epoch FROM clock_timestamp()) * 1000)::BIGINT - $3 RETURNING id",
             )
-            .bind(at.0)
             .bind(by)
             .bind(&id)
-            .bind(stale_before.0)
+            .bind(stale_ms)
             .fetch_optional(&mut *tx)
             .await?;
             if claimed.is_none() {

@@ -437,23 +437,38 @@ pub enum LedgerLocation {
 pub struct SecretUrl(pub String);
 
 impl SecretUrl {
-    /// The URL with any password replaced by `***`, for logs and the console.
+    /// The URL with any password replaced by `***`, for logs and the console: the user
+    /// info's (which may itself hold a `/`) and a `password=` query parameter's (libpq's
+    /// other way of giving one).
     pub fn redacted(&self) -> String {
         let s = &self.0;
         let Some(scheme_end) = s.find("://") else {
             return s.clone();
         };
-        let rest = &s[scheme_end + 3..];
-        let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-        let authority = &rest[..authority_end];
-        match authority.rfind('@') {
-            Some(at) => {
-                let user = &authority[..at];
-                let user = user.split_once(':').map_or(user, |(u, _)| u);
-                let pass = if authority[..at].contains(':') { ":***" } else { "" };
-                format!("{}://{user}{pass}{}", &s[..scheme_end], &rest[at..])
+        let (scheme, rest) = (&s[..scheme_end], &s[scheme_end + 3..]);
+        let (main, query) = match rest.find('?') {
+            Some(q) => (&rest[..q], Some(&rest[q + 1..])),
+            None => (rest, None),
+        };
+        let main = match main.rfind('@') {
+            Some(at) => match main[..at].split_once(':') {
+                Some((user, _)) => format!("{user}:***{}", &main[at..]),
+                None => main.to_owned(),
+            },
+            None => main.to_owned(),
+        };
+        match query {
+            None => format!("{scheme}://{main}"),
+            Some(q) => {
+                let q: Vec<String> = q
+                    .split('&')
+                    .map(|kv| match kv.split_once('=') {
+                        Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
+                        _ => kv.to_owned(),
+                    })
+                    .collect();
+                format!("{scheme}://{main}?{}", q.join("&"))
             }
-            None => s.clone(),
         }
     }
 }
@@ -1688,6 +1703,10 @@ owners:
             panic!("{:?}", c.ledger)
         };
         assert_eq!(url.redacted(), "postgres://gw:***@db:5432/spillway");
+        assert_eq!(
+            SecretUrl("postgres://gw:pa/ss@w@db/l?sslmode=disable&password=p2".into()).redacted(),
+            "postgres://gw:***@db/l?sslmode=disable&password=***"
+        );
         assert_eq!(
             c.redis.as_ref().map(SecretUrl::redacted).as_deref(),
             Some("redis://:***@cache:6379/2")

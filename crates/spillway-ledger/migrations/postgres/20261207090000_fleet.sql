@@ -33,3 +33,6 @@ CREATE TABLE idempotency_claims (
     claimed_at      BIGINT NOT NULL,
     PRIMARY KEY (key_name, idempotency_key)
 );
+
+-- Each heartbeat extends its instance's leases; a take-over releases them.
+CREATE INDEX jobs_leased ON jobs (lease_owner) WHERE lease_owner IS NOT NULL;
