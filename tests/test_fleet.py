@@ -428,6 +428,36 @@ def test_r1_jobs_run_once_with_three_instances_competing(make_fleet):
     fleet.sim.set(ch)
 
 
+def test_r2_a_providers_pause_and_an_operators_restore_reach_every_instance(make_fleet):
+    # spec: R2, D6, E2
+    fleet = make_fleet()
+    a, b = gws = [fleet.start(n) for n in "ab"]
+    wait_fleet(gws, 2)
+    ch = fleet.channel("openai")
+
+    def health(g):
+        view = {c["name"]: c for c in g.admin("GET", "/admin/v1/overview")["channels"]}
+        return view[ch]["health"]
+
+    fleet.sim.set(ch, fault={"kind": "status", "status": 429, "retry_after_s": 30})
+    try:
+        r = a.post("openai")
+        assert r.status_code == 429, r.text
+        calls = fleet.sim.stats(ch)["calls"]
+        # b never called the provider, yet its channel waits out a's pause too.
+        assert wait_for(lambda: health(b)["state"] == "paced", 3), health(b)
+        hb = health(b)
+        assert 20_000 <= hb["back_in_ms"] <= 30_000 and "seen by instance a" in hb["reason"], hb
+        assert b.post("openai").status_code in (429, 503)
+        assert fleet.sim.stats(ch)["calls"] == calls, "b sent into a's pause"
+    finally:
+        fleet.sim.set(ch)
+    # An operator's restore on a puts it back on b too.
+    a.admin("POST", f"/admin/v1/channels/{ch}/restore", {"actor": "ops", "reason": "the provider says it is fine"})
+    assert wait_for(lambda: health(b)["state"] == "ready", 3), health(b)
+    assert b.post("openai").status_code == 200
+
+
 def test_r2_a_breaker_opened_on_one_instance_fails_fast_on_the_others(make_fleet):
     # spec: R2, G2, G4
     fleet = make_fleet()

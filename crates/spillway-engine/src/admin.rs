@@ -437,6 +437,7 @@ async fn restore_channel(
     };
     if c.health.restore() {
         tracing::warn!(channel = %name, actor, "channel restored to rotation by an operator");
+        crate::control::share_rotation(&st, c);
         if let Err(e) = st.control.channel_restored(&st, c, &actor, &reason).await {
             return admin_error(
                 StatusCode::SERVICE_UNAVAILABLE,

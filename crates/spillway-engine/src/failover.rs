@@ -220,6 +220,14 @@ pub async fn run<C: Caller>(ctx: &mut Ctx, life: &mut Life, caller: &C, first: A
         if channel.health.observe_failure(&signal, &name, now) {
             alert_ejection(&st, &signal, &name);
         }
+        // R2: a pause or an ejection is the fleet's, not this instance's alone.
+        if st.shared.is_some()
+            && (matches!(signal.class, ErrorClass::Auth | ErrorClass::Quota)
+                || matches!(signal.class, ErrorClass::RateLimit | ErrorClass::Overload)
+                    && signal.retry_after_ms.is_some_and(|ms| ms > 0))
+        {
+            crate::control::share_rotation(&st, &channel);
+        }
         all_paced &= signal.class == ErrorClass::RateLimit;
 
         let remaining = ctx.deadline.saturating_duration_since(now);

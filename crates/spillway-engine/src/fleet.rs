@@ -383,6 +383,7 @@ fn apply(st: &Arc<AppState>, sh: &Shared, raw: &str) {
     match m.kind.as_str() {
         "breaker" => st.control.apply_shared(st, &m.subject, &m.saved, &m.instance),
         "channel" => st.control.apply_shared_channel(st, &m.subject, &m.saved, &m.instance),
+        "rotation" => crate::control::apply_shared_rotation(st, &m.subject, &m.saved, &m.instance),
         _ => {}
     }
 }

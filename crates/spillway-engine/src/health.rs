@@ -30,6 +30,20 @@ pub enum Rotation {
     },
 }
 
+/// R2: a channel's place in rotation as the fleet's other instances apply it: a
+/// provider's pause (D6), an ejection (E2), or back (an operator's restore).
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct SharedRotation {
+    /// `ready`, `paced` or `ejected`.
+    pub state: String,
+    /// The ejection's signal class (`auth`, `quota`).
+    pub class: Option<String>,
+    /// Until it comes back by itself, from the moment it was published; None: an
+    /// operator must restore it (or it is ready).
+    pub back_in_ms: Option<u64>,
+    pub reason: String,
+}
+
 /// Why a channel cannot take a request now.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Unavailable {
@@ -249,6 +263,67 @@ impl Health {
                 false
             }
             _ => false,
+        })
+    }
+
+    /// R2: the pace or ejection (or readiness) this channel is in, to publish.
+    pub fn shared_rotation(&self, now: Instant) -> SharedRotation {
+        self.with(|i| match &i.rotation {
+            Rotation::Ready => SharedRotation {
+                state: "ready".into(),
+                class: None,
+                back_in_ms: None,
+                reason: String::new(),
+            },
+            Rotation::Paced { until, reason } => SharedRotation {
+                state: "paced".into(),
+                class: None,
+                back_in_ms: Some(left(*until, now).as_millis() as u64),
+                reason: reason.clone(),
+            },
+            Rotation::Ejected { class, until, reason } => SharedRotation {
+                state: "ejected".into(),
+                class: Some(class.as_str().to_owned()),
+                back_in_ms: until.map(|u| left(u, now).as_millis() as u64),
+                reason: reason.clone(),
+            },
+        })
+    }
+
+    /// R2: another instance's pace, ejection or restore of this channel, `elapsed` after
+    /// it was published. A pace never shortens an ejection or a longer pace, as here.
+    pub fn apply_shared_rotation(&self, r: &SharedRotation, from: &str, elapsed: Duration, now: Instant) {
+        let until = r
+            .back_in_ms
+            .map(|ms| now + Duration::from_millis(ms).saturating_sub(elapsed));
+        let reason = format!("{} (seen by instance {from})", r.reason);
+        self.with(|i| match r.state.as_str() {
+            "ready" => {
+                if matches!(i.rotation, Rotation::Paced { .. } | Rotation::Ejected { .. }) {
+                    i.rotation = Rotation::Ready;
+                }
+            }
+            "paced" => {
+                let Some(until) = until.filter(|u| *u > now) else {
+                    return;
+                };
+                match &i.rotation {
+                    Rotation::Ejected { .. } => {}
+                    Rotation::Paced { until: u, .. } if *u >= until => {}
+                    _ => i.rotation = Rotation::Paced { until, reason },
+                }
+            }
+            "ejected" => {
+                let class = r
+                    .class
+                    .as_deref()
+                    .and_then(ErrorClass::parse)
+                    .unwrap_or(ErrorClass::Auth);
+                if until.is_none_or(|u| u > now) {
+                    i.rotation = Rotation::Ejected { class, until, reason };
+                }
+            }
+            _ => {}
         })
     }
 
