@@ -971,38 +971,35 @@ impl Control {
 
 /// R2: a channel's pace, ejection or restore (D6, E2), for the fleet's other instances.
 pub fn share_rotation(st: &AppState, channel: &ChannelRt) {
-    let Some(sh) = &st.shared else { return };
-    let saved = serde_json::json!({
-        "saved_at": clock::now(),
-        "rotation": channel.health.shared_rotation(Instant::now()),
+    if st.shared.is_none() {
+        return;
+    }
+    let at = clock::now();
+    let state = serde_json::to_string(&Saved {
+        saved_at: at,
+        state: channel.health.shared_rotation(Instant::now()),
     })
-    .to_string();
-    let (sh, name) = (sh.clone(), channel.cfg.name.to_string());
-    tokio::spawn(async move {
-        if let Err(e) = sh.publish_state("rotation", &name, &saved).await {
-            tracing::warn!(error = %e.0, channel = name, "channel pause not shared: Redis is unreachable");
-        }
+    .ok()
+    .map(|state| ControlState {
+        kind: "rotation".into(),
+        subject: channel.cfg.name.to_string(),
+        state,
+        updated_at: at,
     });
+    share(st, state.as_ref());
 }
 
 /// R2: another instance's pace, ejection or restore of a channel, applied here.
 pub fn apply_shared_rotation(st: &AppState, name: &str, saved: &str, from: &str) {
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(saved) else {
-        return;
-    };
-    let (Some(at), Some(r)) = (
-        v.get("saved_at").and_then(|t| t.as_i64()),
-        v.get("rotation")
-            .and_then(|r| serde_json::from_value::<crate::health::SharedRotation>(r.clone()).ok()),
-    ) else {
+    let Ok(s) = serde_json::from_str::<Saved<crate::health::SharedRotation>>(saved) else {
         return;
     };
     let Some(c) = st.channels.iter().find(|c| *c.cfg.name == *name) else {
         return;
     };
-    let elapsed = Duration::from_millis(clock::now().since(UnixMs(at)));
-    c.health.apply_shared_rotation(&r, from, elapsed, Instant::now());
-    tracing::info!(channel = name, from, state = %r.state, "channel rotation moved by another instance");
+    let elapsed = Duration::from_millis(clock::now().since(s.saved_at));
+    c.health.apply_shared_rotation(&s.state, from, elapsed, Instant::now());
+    tracing::info!(channel = name, from, state = %s.state.state, "channel rotation moved by another instance");
 }
 
 /// R2: a breaker's or channel's new state, for the fleet's other instances to apply as it

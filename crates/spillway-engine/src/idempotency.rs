@@ -117,12 +117,7 @@ impl Claim {
     pub fn release(mut self) {
         let Some((key, id)) = self.key.take() else { return };
         if self.st.fleet.shared_ledger {
-            let after = self.st.ledger.when_committed();
-            let (st, k, i) = (self.st.clone(), key.clone(), id.clone());
-            tokio::spawn(async move {
-                let _ = after.await;
-                release_shared(&st, &k, &i).await;
-            });
+            release_shared(&self.st, &key, &id, Some(self.st.ledger.when_committed()));
         }
         let committed = self.st.ledger.when_committed();
         let mut c = self.st.idempotency.lock();
@@ -134,21 +129,32 @@ impl Claim {
     }
 }
 
-/// Drops the fleet's claim of `key` held by request `id` (its record is committed, or it
-/// never reached one). One that cannot be dropped is taken over by the next request once
-/// this one's row is final or its instance is gone.
-async fn release_shared(st: &AppState, key: &ClaimKey, id: &str) {
-    if let Err(e) = st.ledger.store().release_key(&key.0, &key.1, id).await {
-        tracing::warn!(error = %e, "could not release an idempotency key's claim in the shared ledger");
-    }
+/// Drops the fleet's claim of `key` held by request `id`, in the background, once
+/// `after` (its record's commit) has come, or at once (it never reached a record). One
+/// that cannot be dropped is taken over by the next request once this one's row is final
+/// or its instance is gone.
+fn release_shared(
+    st: &Arc<AppState>,
+    key: &ClaimKey,
+    id: &str,
+    after: Option<oneshot::Receiver<spillway_ledger::Result<()>>>,
+) {
+    let (st, key, id) = (st.clone(), key.clone(), id.to_owned());
+    tokio::spawn(async move {
+        if let Some(after) = after {
+            let _ = after.await;
+        }
+        if let Err(e) = st.ledger.store().release_key(&key.0, &key.1, &id).await {
+            tracing::warn!(error = %e, "could not release an idempotency key's claim in the shared ledger");
+        }
+    });
 }
 
 impl Drop for Claim {
     fn drop(&mut self) {
         if let Some((k, id)) = self.key.take() {
             if self.st.fleet.shared_ledger {
-                let (st, k, id) = (self.st.clone(), k.clone(), id.clone());
-                tokio::spawn(async move { release_shared(&st, &k, &id).await });
+                release_shared(&self.st, &k, &id, None);
             }
             let mut c = self.st.idempotency.lock();
             if matches!(c.held.get(&k), Some(Holder::Running { request_id, .. }) if *request_id == id) {
@@ -211,8 +217,7 @@ pub async fn check(st: &Arc<AppState>, key: String, rec: &RequestRecord) -> Verd
     }
     let refuse = |e: GatewayError| {
         if st.fleet.shared_ledger {
-            let (st, k, id) = (st.clone(), ck.clone(), rec.id.clone());
-            tokio::spawn(async move { release_shared(&st, &k, &id).await });
+            release_shared(st, &ck, &rec.id, None);
         }
         Verdict::Refuse(e)
     };

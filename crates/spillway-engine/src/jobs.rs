@@ -1001,29 +1001,42 @@ async fn refresh(st: &AppState) {
     }
 }
 
-/// R1: takes the job's lease in the shared ledger before it runs here; the ledger's row
-/// (another instance may have run it since memory saw it) is what runs. None: another
-/// instance holds it, or it is no longer due: memory goes back to what it was.
-async fn lease(st: &AppState, mut j: JobRecord, was: UnixMs) -> Option<JobRecord> {
+/// R1: takes job `id`'s lease in the shared ledger: the ledger's row (without body or
+/// result), which another instance may have changed since memory saw it. None when
+/// another instance holds it (or it is no longer due): it is not tried again here for a
+/// heartbeat.
+async fn take_lease(st: &AppState, id: &str) -> Option<JobRecord> {
     let now = clock::now();
     let until = UnixMs(now.0 + 3 * st.config.fleet.stale_after_ms as i64);
-    let r = st.ledger.store().lease_job(&j.id, &st.fleet.instance, now, until).await;
-    match r {
+    match st.ledger.store().lease_job(id, &st.fleet.instance, now, until).await {
         Ok(Some(mut fresh)) => {
-            fresh.state = RUNNING.into();
-            fresh.attempt += 1;
-            fresh.updated_at = now;
             fresh.body = None;
             fresh.result = None;
-            st.jobs.lock().open.insert(fresh.id.clone(), fresh.clone());
             Some(fresh)
         }
         other => {
             if let Err(e) = other {
-                tracing::warn!(error = %e, job = %j.id, "could not lease a job; it waits");
+                tracing::warn!(error = %e, job = %id, "could not lease a job; it waits");
             }
             st.fleet
-                .note_leased_elsewhere(&j.id, UnixMs(now.0 + st.config.fleet.heartbeat_ms as i64));
+                .note_leased_elsewhere(id, UnixMs(now.0 + st.config.fleet.heartbeat_ms as i64));
+            None
+        }
+    }
+}
+
+/// R1: a job released to run here is leased first; the ledger's row is what runs. When
+/// another instance holds it, memory goes back to what it was.
+async fn lease(st: &AppState, mut j: JobRecord, was: UnixMs) -> Option<JobRecord> {
+    match take_lease(st, &j.id).await {
+        Some(mut fresh) => {
+            fresh.state = RUNNING.into();
+            fresh.attempt += 1;
+            fresh.updated_at = clock::now();
+            st.jobs.lock().open.insert(fresh.id.clone(), fresh.clone());
+            Some(fresh)
+        }
+        None => {
             j.state = QUEUED.into();
             j.attempt = j.attempt.saturating_sub(1);
             j.updated_at = was;
@@ -1035,28 +1048,11 @@ async fn lease(st: &AppState, mut j: JobRecord, was: UnixMs) -> Option<JobRecord
 
 /// R1: a job this pass would file (past its age, nothing in rotation) is leased first
 /// on a fleet's ledger, like a run: one instance files it, and never while another runs it.
-/// The ledger's row is what is filed; None when another instance holds it.
 async fn hold_for_filing(st: &AppState, j: JobRecord) -> Option<JobRecord> {
     if !st.fleet.shared_ledger {
         return Some(j);
     }
-    let now = clock::now();
-    let until = UnixMs(now.0 + 3 * st.config.fleet.stale_after_ms as i64);
-    match st.ledger.store().lease_job(&j.id, &st.fleet.instance, now, until).await {
-        Ok(Some(mut fresh)) => {
-            fresh.body = None;
-            fresh.result = None;
-            Some(fresh)
-        }
-        other => {
-            if let Err(e) = other {
-                tracing::warn!(error = %e, job = %j.id, "could not lease a job to file it; it waits");
-            }
-            st.fleet
-                .note_leased_elsewhere(&j.id, UnixMs(now.0 + st.config.fleet.heartbeat_ms as i64));
-            None
-        }
-    }
+    take_lease(st, &j.id).await
 }
 
 fn park(j: &mut JobRecord, lane: &str, reason: &str) {
