@@ -135,21 +135,24 @@ fmt:
 ## official SDKs). Private PostgreSQL and Redis servers run for the whole of it, in a
 ## temporary directory on free loopback ports (the ledger's PostgreSQL half, the shared
 ## limits, the fleet tests); SPILLWAY_REQUIRE_SERVICES=1 makes a test that cannot reach them
-## fail instead of skip. They are stopped at the end, on failure too.
+## fail instead of skip. They are stopped at the end, on failure too; a failure's details
+## are printed again last (scripts/failures), where a CI page showing only the tail has them.
 test: deps deps-browser deps-fleet ui build build-desktop lint
-	@set -e; \
+	@set -e -o pipefail; \
 	dir=$$(mktemp -d -t spillway-services.XXXXXX); \
-	trap 'scripts/services stop "$$dir" || true; rm -rf "$$dir"' EXIT; \
+	log=$$(mktemp -t spillway-test.XXXXXX.log); \
+	trap 'rc=$$?; set +x; scripts/services stop "$$dir" || true; rm -rf "$$dir"; \
+		[ $$rc -eq 0 ] || scripts/failures "$$log"; rm -f "$$log"; exit $$rc' EXIT; \
 	trap 'exit 130' INT TERM; \
 	exports=$$(scripts/services start "$$dir"); eval "$$exports"; \
 	export SPILLWAY_TEST_POSTGRES SPILLWAY_TEST_REDIS SPILLWAY_SERVICES_DIR="$$dir" SPILLWAY_REQUIRE_SERVICES=1; \
 	echo "==> PostgreSQL and Redis for the tests: $$SPILLWAY_TEST_POSTGRES $$SPILLWAY_TEST_REDIS"; \
 	set -x; \
-	$(CARGO) test --workspace --exclude spillway-desktop; \
-	(cd ui && npm test); \
-	(cd ui && SPILLWAY_BIN=$(CURDIR)/target/debug/spillway npm run e2e); \
-	(cd ui && PATH="$$HOME/.cargo/bin:$$PATH" xvfb-run -a -s "-screen 0 1400x900x24" npm run e2e:desktop); \
-	SPILLWAY_BIN=$(CURDIR)/target/debug/spillway $(VENV)/bin/pytest tests -q -p no:cacheprovider
+	$(CARGO) test --workspace --exclude spillway-desktop 2>&1 | tee -a "$$log"; \
+	(cd ui && npm test) 2>&1 | tee -a "$$log"; \
+	(cd ui && SPILLWAY_BIN=$(CURDIR)/target/debug/spillway npm run e2e) 2>&1 | tee -a "$$log"; \
+	(cd ui && PATH="$$HOME/.cargo/bin:$$PATH" xvfb-run -a -s "-screen 0 1400x900x24" npm run e2e:desktop) 2>&1 | tee -a "$$log"; \
+	SPILLWAY_BIN=$(CURDIR)/target/debug/spillway $(VENV)/bin/pytest tests -q -p no:cacheprovider 2>&1 | tee -a "$$log"
 
 ## Three gateways (a, b, c) on one PostgreSQL ledger and one Redis (R1, R2), the servers private
 ## in .fleet/ (or $SPILLWAY_FLEET_DIR); the first sends demo traffic. Prints each instance's

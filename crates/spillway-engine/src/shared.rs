@@ -144,27 +144,32 @@ pub struct Shared {
     /// Pub/sub channels are global across a Redis's databases: the channel names the
     /// database, so fleets on one Redis (and parallel tests) stay apart.
     channel: String,
+    /// How long a call may take before Redis counts as gone ([`CALL_TIMEOUT`]).
+    timeout: Duration,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-async fn timed<T>(f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, Down> {
-    match tokio::time::timeout(CALL_TIMEOUT, f).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(Down(e.to_string())),
-        Err(_) => Err(Down(format!("no answer within {} ms", CALL_TIMEOUT.as_millis()))),
-    }
-}
-
 impl Shared {
     /// A handle on the Redis at `url`; it connects on first use and reconnects by itself.
     pub fn new(url: &SecretUrl, instance: &str, expected: Option<u32>) -> Result<Arc<Shared>, Down> {
+        Shared::with_timeout(url, instance, expected, CALL_TIMEOUT)
+    }
+
+    /// [`Shared::new`] with another call timeout: tests on a loaded machine give Redis
+    /// longer than a gateway would, so that a slow moment does not read as an outage.
+    pub fn with_timeout(
+        url: &SecretUrl,
+        instance: &str,
+        expected: Option<u32>,
+        timeout: Duration,
+    ) -> Result<Arc<Shared>, Down> {
         let client = redis::Client::open(url.0.as_str()).map_err(|e| Down(format!("{e} ({})", url.redacted())))?;
         let cfg = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(CALL_TIMEOUT))
-            .set_response_timeout(Some(CALL_TIMEOUT))
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(500));
         let conn = ConnectionManager::new_lazy_with_config(client.clone(), cfg)?;
@@ -184,7 +189,16 @@ impl Shared {
             errors: AtomicU32::new(0),
             outage_alerted: AtomicBool::new(false),
             channel,
+            timeout,
         }))
+    }
+
+    async fn timed<T>(&self, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, Down> {
+        match tokio::time::timeout(self.timeout, f).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(Down(e.to_string())),
+            Err(_) => Err(Down(format!("no answer within {} ms", self.timeout.as_millis()))),
+        }
     }
 
     /// Whether the last call reached Redis.
@@ -228,7 +242,7 @@ impl Shared {
     /// A round trip, for the health loop.
     pub async fn ping(&self) -> Result<(), Down> {
         let mut c = self.conn();
-        timed(redis::cmd("PING").query_async::<String>(&mut c))
+        self.timed(redis::cmd("PING").query_async::<String>(&mut c))
             .await
             .map(|_| ())
     }
@@ -246,7 +260,7 @@ impl Shared {
         let (interval_us, tolerance) = gcra_params(rpm);
         let mut c = self.conn();
         let wait: i64 = self.note(
-            timed(
+            self.timed(
                 GCRA.key(format!("{PREFIX}:rpm:{key}"))
                     .arg(interval_us)
                     .arg(tolerance)
@@ -263,7 +277,7 @@ impl Shared {
         let (interval_us, _) = gcra_params(rpm);
         let mut c = self.conn();
         let _: i64 = self.note(
-            timed(
+            self.timed(
                 CHARGE
                     .key(format!("{PREFIX}:rpm:{key}"))
                     .arg(interval_us)
@@ -281,8 +295,10 @@ impl Shared {
         let id = format!("{}:{}", self.instance, uuid::Uuid::now_v7().simple());
         let zkey = format!("{PREFIX}:conc:{key}");
         let mut c = self.conn();
-        let took: i64 =
-            self.note(timed(TAKE.key(&zkey).arg(max).arg(&id).arg(LEASE_TTL_MS).invoke_async(&mut c)).await)?;
+        let took: i64 = self.note(
+            self.timed(TAKE.key(&zkey).arg(max).arg(&id).arg(LEASE_TTL_MS).invoke_async(&mut c))
+                .await,
+        )?;
         if took == 1 {
             lock(&self.held).insert(id.clone(), zkey);
             Ok(Some(id))
@@ -300,7 +316,7 @@ impl Shared {
         let me = self.clone();
         tokio::spawn(async move {
             let mut c = me.conn();
-            let r: Result<i64, Down> = timed(c.zrem(&zkey, &id)).await;
+            let r: Result<i64, Down> = me.timed(c.zrem(&zkey, &id)).await;
             if r.is_err() {
                 me.set_up(false);
             }
@@ -313,7 +329,10 @@ impl Shared {
         let held: Vec<(String, String)> = lock(&self.held).iter().map(|(i, k)| (i.clone(), k.clone())).collect();
         let mut c = self.conn();
         for (id, zkey) in held {
-            let _: i64 = self.note(timed(RENEW.key(&zkey).arg(&id).arg(LEASE_TTL_MS).invoke_async(&mut c)).await)?;
+            let _: i64 = self.note(
+                self.timed(RENEW.key(&zkey).arg(&id).arg(LEASE_TTL_MS).invoke_async(&mut c))
+                    .await,
+            )?;
         }
         Ok(())
     }
@@ -331,7 +350,7 @@ impl Shared {
             .ignore()
             .publish(&self.channel, &msg)
             .ignore();
-        self.note(timed(p.query_async::<()>(&mut c)).await)
+        self.note(self.timed(p.query_async::<()>(&mut c)).await)
     }
 
     /// F4 across the fleet: tells Redis this instance's (new requests, retries) on `route`
@@ -345,7 +364,7 @@ impl Shared {
             .pexpire(&key, BUDGET_FRESH_MS * 10)
             .ignore()
             .hgetall(&key);
-        let (all,): (HashMap<String, String>,) = self.note(timed(p.query_async(&mut c)).await)?;
+        let (all,): (HashMap<String, String>,) = self.note(self.timed(p.query_async(&mut c)).await)?;
         let mut others = (0, 0);
         for (instance, v) in all {
             let mut it = v.split(' ').map(|x| x.parse::<i64>().unwrap_or(0));
@@ -362,14 +381,14 @@ impl Shared {
     /// Every breaker's and channel's latest transition as Redis has it (a message each).
     pub async fn breakers(&self) -> Result<Vec<String>, Down> {
         let mut c = self.conn();
-        let all: HashMap<String, String> = self.note(timed(c.hgetall(BREAKERS)).await)?;
+        let all: HashMap<String, String> = self.note(self.timed(c.hgetall(BREAKERS)).await)?;
         Ok(all.into_values().collect())
     }
 
     /// Transitions as other instances publish them, until the connection drops.
     pub async fn subscribe(&self) -> Result<redis::aio::PubSubStream, Down> {
-        let mut ps = timed(self.client.get_async_pubsub()).await?;
-        timed(ps.subscribe(&self.channel)).await?;
+        let mut ps = self.timed(self.client.get_async_pubsub()).await?;
+        self.timed(ps.subscribe(&self.channel)).await?;
         Ok(ps.into_on_message())
     }
 }

@@ -85,10 +85,22 @@ impl TestDb {
         let mut conn = sqlx::PgConnection::connect(&admin)
             .await
             .unwrap_or_else(|e| panic!("cannot connect to {POSTGRES_VAR} ({shown}): {e}"));
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
-            .execute(&mut conn)
-            .await
-            .unwrap_or_else(|e| panic!("cannot create the test database {name} on {shown}: {e}"));
+        // PostgreSQL refuses to copy its template while another session is connected to
+        // it (an autovacuum worker can be, for a moment): try again, a few times.
+        let mut tries = 0;
+        loop {
+            match sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
+                .execute(&mut conn)
+                .await
+            {
+                Ok(_) => break,
+                Err(e) if tries < 10 && e.to_string().contains("being accessed by other users") => {
+                    tries += 1;
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                }
+                Err(e) => panic!("cannot create the test database {name} on {shown}: {e}"),
+            }
+        }
         let _ = conn.close().await;
         Some(TestDb {
             kind: Kind::Postgres,
