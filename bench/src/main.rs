@@ -285,6 +285,75 @@ fn spawn(bin: &PathBuf, args: &[&str], env: &[(&str, &str)], prefix: &str) -> Re
     bail!("{} exited before printing {prefix:?}", bin.display())
 }
 
+/// The gateway's ledger commit-time histogram from its `/metrics` (cumulative counts per
+/// upper bound in seconds), or None when it cannot be read.
+async fn commit_buckets(client: &HttpClient, base: &str) -> Option<Vec<(f64, u64)>> {
+    let req = hyper::Request::get(format!("{base}/metrics"))
+        .body(Full::new(Bytes::new()))
+        .ok()?;
+    let resp = client.request(req).await.ok()?;
+    let text = resp.into_body().collect().await.ok()?.to_bytes();
+    let text = String::from_utf8_lossy(&text);
+    let buckets: Vec<(f64, u64)> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("spillway_ledger_commit_seconds_bucket{le=\""))
+        .filter_map(|l| {
+            let (le, n) = l.split_once("\"} ")?;
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            Some((le, n.trim().parse().ok()?))
+        })
+        .collect();
+    (!buckets.is_empty()).then_some(buckets)
+}
+
+/// What the ledger's commits took during one phase: the difference of two scrapes.
+#[derive(Serialize, Clone, Copy)]
+struct CommitPhase {
+    commits: u64,
+    /// Commits slower than 10 ms (a disk's sync stalling).
+    over_10ms: u64,
+    /// The bucket bound under which 99 % of the phase's commits finished, and the
+    /// slowest one's bucket bound, ms (None for +Inf).
+    p99_ms: Option<f64>,
+    slowest_ms: Option<f64>,
+}
+
+fn commit_phase(before: &[(f64, u64)], after: &[(f64, u64)]) -> Option<CommitPhase> {
+    if before.len() != after.len() {
+        return None;
+    }
+    let d: Vec<(f64, u64)> = after
+        .iter()
+        .zip(before)
+        .map(|(a, b)| (a.0, a.1.saturating_sub(b.1)))
+        .collect();
+    let commits = d.last()?.1;
+    let at_most = |le: f64| d.iter().find(|(b, _)| *b >= le).map_or(commits, |x| x.1);
+    let ms = |le: f64| le.is_finite().then_some(le * 1000.0);
+    let p99 = d.iter().find(|(_, n)| *n as f64 >= 0.99 * commits as f64).map(|x| x.0);
+    let slowest = d.iter().find(|(_, n)| *n == commits).map(|x| x.0);
+    Some(CommitPhase {
+        commits,
+        over_10ms: commits - at_most(0.01),
+        p99_ms: p99.and_then(ms),
+        slowest_ms: slowest.and_then(ms),
+    })
+}
+
+impl std::fmt::Display for CommitPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let bound = |v: Option<f64>| v.map_or("> 2.5 s".to_owned(), |ms| format!("≤ {ms} ms"));
+        write!(
+            f,
+            "ledger commits: {} over 10 ms of {}, p99 {}, slowest {}",
+            self.over_10ms,
+            self.commits,
+            bound(self.p99_ms),
+            bound(self.slowest_ms)
+        )
+    }
+}
+
 /// A simulator control call: PUT `body` when given, else GET.
 async fn sim_control(client: &HttpClient, url: &str, body: Option<&serde_json::Value>) -> Result<serde_json::Value> {
     let req = match body {
@@ -617,6 +686,8 @@ struct Measured {
     /// Of `cpu_us_per_request`, what the ledger's SQLite threads used.
     ledger_cpu_us_per_request: Option<f64>,
     rss_kib_after: Option<u64>,
+    /// The gateway's ledger commits over the phase (what its durable writes waited for).
+    ledger_commits: Option<CommitPhase>,
 }
 
 struct Meter {
@@ -654,6 +725,7 @@ impl Meter {
             cpu_percent: cpu.map(|c| c as f64 / 1e6 / secs * 100.0),
             ledger_cpu_us_per_request: ledger.map(|c| c as f64 / sent.max(1) as f64),
             rss_kib_after: self.pid.and_then(rss_kib),
+            ledger_commits: None,
         }
     }
 }
@@ -977,6 +1049,15 @@ fn verdict(target: String, measured: f64, limit: f64, show: impl Fn(f64) -> Stri
     }
 }
 
+/// A tail-latency verdict with what the ledger's commits did meanwhile: a request waits
+/// for its durable write's commit, so a disk whose syncs stall shows in the p99 first.
+fn with_commits(mut v: Verdict, r: &Row) -> Verdict {
+    if let Some(c) = r.spillway.ledger_commits {
+        v.measured = format!("{}; {c}", v.measured);
+    }
+    v
+}
+
 fn verdict_line(v: &Verdict, measured: f64, limit: f64) -> String {
     if v.met {
         format!("verdict: {}: met ({}, limit {})", v.target, v.measured, v.limit)
@@ -1102,9 +1183,18 @@ async fn main() -> Result<()> {
         let d = fixed_rate_with(&client, &direct.url("bench"), key, payload.clone(), stream, rate, secs).await;
         let mut measured = Vec::new();
         for t in [&forwarder, &spillway] {
+            let before = if t.by_model {
+                commit_buckets(&client, &t.base).await
+            } else {
+                None
+            };
             let m = Meter::start(t, tck);
             let lat = fixed_rate_with(&client, &t.url("bench"), key, payload.clone(), stream, rate, secs).await;
-            measured.push(m.finish(lat, sent));
+            let mut got = m.finish(lat, sent);
+            if let (Some(b), Some(a)) = (before, commit_buckets(&client, &t.base).await) {
+                got.ledger_commits = commit_phase(&b, &a);
+            }
+            measured.push(got);
         }
         let g = measured.pop().context("spillway")?;
         let f = measured.pop().context("forwarder")?;
@@ -1511,17 +1601,14 @@ async fn main() -> Result<()> {
             );
             let limit = 2.0 * (r.forwarder_added_p99_us as f64).max(P99_FLOOR_US);
             let m = r.spillway_added_p99_us as f64;
-            judge(
-                verdict(
-                    format!("added p99 at {rate} req/s ≤ 2× the forwarder's"),
-                    m,
-                    limit,
-                    usf,
-                    false,
-                ),
+            let v = verdict(
+                format!("added p99 at {rate} req/s ≤ 2× the forwarder's"),
                 m,
                 limit,
+                usf,
+                false,
             );
+            judge(with_commits(v, r), m, limit);
         } else {
             // Sustained: nothing failed, the answers kept pace with the offered rate, and the
             // generator itself kept its schedule (else the rate was never offered).
@@ -1545,22 +1632,19 @@ async fn main() -> Result<()> {
                 us(r.spillway.lat.send_lag_p99_us),
                 v.measured
             );
-            judge(v, m, limit);
+            judge(with_commits(v, r), m, limit);
         }
     }
     for r in rows.iter().filter(|r| r.kind == "streaming TTFT") {
         let m = r.spillway_added_p99_us as f64;
-        judge(
-            verdict(
-                format!("streaming TTFT added p99 at {} req/s ≤ 1 ms", r.rate_rps),
-                m,
-                1000.0,
-                usf,
-                false,
-            ),
+        let v = verdict(
+            format!("streaming TTFT added p99 at {} req/s ≤ 1 ms", r.rate_rps),
             m,
             1000.0,
+            usf,
+            false,
         );
+        judge(with_commits(v, r), m, 1000.0);
     }
     let (m, limit) = (closed_loop.spillway_rps, 0.5 * closed_loop.forwarder_rps);
     judge(

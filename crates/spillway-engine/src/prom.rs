@@ -193,6 +193,29 @@ impl Prom {
                 f64::from(u8::from(st.ledger.is_healthy())),
             );
         });
-        self.handle.render()
+        let mut out = self.handle.render();
+        ledger_commits(&mut out, &st.ledger.commit_histogram());
+        out
     }
+}
+
+/// The ledger's commit times, written out by hand: the writer counts them itself (the
+/// ledger crate records no metrics), into fixed sub-millisecond buckets a disk's sync
+/// needs.
+fn ledger_commits(out: &mut String, h: &spillway_ledger::CommitHistogram) {
+    use std::fmt::Write;
+    const NAME: &str = "spillway_ledger_commit_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {NAME} How long each ledger commit took (durable writes wait for theirs).\n# TYPE {NAME} histogram"
+    );
+    for (le, n) in &h.cumulative {
+        let le = if le.is_infinite() {
+            "+Inf".to_owned()
+        } else {
+            le.to_string()
+        };
+        let _ = writeln!(out, "{NAME}_bucket{{le=\"{le}\"}} {n}");
+    }
+    let _ = writeln!(out, "{NAME}_sum {}\n{NAME}_count {}", h.sum_seconds, h.count);
 }

@@ -1371,6 +1371,14 @@ async fn n4_metrics_are_prometheus_text_with_bounded_labels() {
         text.contains(r#"spillway_queue_wait_seconds_bucket{route="openai/m",le="0.001"} 2"#),
         "{text}"
     );
+    // The ledger's commits: each request waited for at least its durable `calling_api`.
+    let commits = value("spillway_ledger_commit_seconds_count");
+    assert!(commits >= 2.0, "{text}");
+    assert_eq!(value(r#"spillway_ledger_commit_seconds_bucket{le="+Inf"}"#), commits);
+    assert!(
+        text.contains("# TYPE spillway_ledger_commit_seconds histogram"),
+        "{text}"
+    );
     // Every line is a comment or `name{labels} value`.
     for l in text.lines().filter(|l| !l.is_empty() && !l.starts_with('#')) {
         let (_, v) = l.rsplit_once(' ').unwrap();

@@ -35,7 +35,7 @@ pub use record::{
 };
 pub use recovery::{DayFigures, ErrorCount, RecoveryRow, ScoreRow, rank};
 pub use sqlite::{Durability, SqliteBackend};
-pub use writer::{Ledger, LedgerHealth};
+pub use writer::{COMMIT_BUCKETS_S, CommitHistogram, Ledger, LedgerHealth};
 
 use async_trait::async_trait;
 use spillway_wire::UnixMs;

@@ -97,6 +97,43 @@ impl QueueState {
     }
 }
 
+/// Upper bounds (seconds) of the commit-time histogram's buckets; the last is +Inf.
+pub const COMMIT_BUCKETS_S: [f64; 12] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+];
+
+/// How long the store took for each commit since the ledger opened: what every durable
+/// write (and so every request before its upstream call) waits for. A disk whose syncs
+/// stall shows here first, before it shows as a slow request.
+#[derive(Default)]
+struct CommitTimes {
+    /// Commits per bucket of [`COMMIT_BUCKETS_S`] (not cumulative), the last one +Inf.
+    buckets: [std::sync::atomic::AtomicU64; COMMIT_BUCKETS_S.len() + 1],
+    sum_us: std::sync::atomic::AtomicU64,
+}
+
+impl CommitTimes {
+    fn record(&self, took: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = took.as_secs_f64();
+        let i = COMMIT_BUCKETS_S
+            .iter()
+            .position(|&b| s <= b)
+            .unwrap_or(COMMIT_BUCKETS_S.len());
+        self.buckets[i].fetch_add(1, Relaxed);
+        self.sum_us.fetch_add(took.as_micros() as u64, Relaxed);
+    }
+}
+
+/// The commit-time histogram as Prometheus wants it: cumulative counts per upper bound.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CommitHistogram {
+    /// (upper bound in seconds, commits that took at most that), in order; +Inf last.
+    pub cumulative: Vec<(f64, u64)>,
+    pub sum_seconds: f64,
+    pub count: u64,
+}
+
 /// The FIFO between the request path and the writer.
 struct Queue {
     state: Mutex<QueueState>,
@@ -108,6 +145,8 @@ struct Queue {
     work: Notify,
     /// Writers held back by a full queue wait here.
     space: Notify,
+    /// How long commits took.
+    commits: CommitTimes,
 }
 
 impl Queue {
@@ -372,6 +411,7 @@ impl Ledger {
             held_back: Default::default(),
             work: Notify::new(),
             space: Notify::new(),
+            commits: CommitTimes::default(),
         });
         let (health_tx, health) = watch::channel(LedgerHealth::healthy());
         let writer = tokio::spawn(write_loop(backend.clone(), queue.clone(), health_tx));
@@ -391,6 +431,24 @@ impl Ledger {
             backend,
             health,
             tasks: Arc::new(Mutex::new(vec![writer, checkpoints])),
+        }
+    }
+
+    /// How long the store's commits have taken since the ledger opened (Prometheus's
+    /// `spillway_ledger_commit_seconds`).
+    pub fn commit_histogram(&self) -> CommitHistogram {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = &self.queue.commits;
+        let mut total = 0;
+        let mut cumulative = Vec::with_capacity(COMMIT_BUCKETS_S.len() + 1);
+        for (i, b) in c.buckets.iter().enumerate() {
+            total += b.load(Relaxed);
+            cumulative.push((COMMIT_BUCKETS_S.get(i).copied().unwrap_or(f64::INFINITY), total));
+        }
+        CommitHistogram {
+            cumulative,
+            sum_seconds: c.sum_us.load(Relaxed) as f64 / 1e6,
+            count: total,
         }
     }
 
@@ -669,9 +727,14 @@ async fn write_loop(backend: Arc<dyn LedgerBackend>, queue: Arc<Queue>, health: 
         let result = if pending.rows() == 0 {
             Ok(())
         } else {
-            backend
+            let t = Instant::now();
+            let r = backend
                 .write_batch(&pending.requests, &pending.attempts, &pending.payloads)
-                .await
+                .await;
+            if r.is_ok() {
+                queue.commits.record(t.elapsed());
+            }
+            r
         };
         match result {
             Ok(()) => {
@@ -1972,6 +2035,30 @@ mod tests {
             );
             assert_eq!(ledger.attempts("r3").await.unwrap().len(), 1);
             assert_eq!(ledger.health(), LedgerHealth::healthy());
+        }
+    }
+
+    both_backends! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn n4_commit_times_are_counted_for_the_metrics(db) {
+            // spec: N4
+            // Commits take 30 ms here (a slow disk): the histogram says so.
+            let (ledger, _) = faulty(&db, Some(Duration::from_millis(30)), QUEUE_DEPTH).await;
+            assert_eq!(ledger.commit_histogram().count, 0);
+            for n in 0..3 {
+                ledger
+                    .put_request_durable(rec(&format!("r{n}"), RequestState::CallingApi))
+                    .await
+                    .unwrap();
+            }
+            let h = ledger.commit_histogram();
+            assert_eq!(h.count, 3, "{h:?}");
+            assert_eq!(h.cumulative.last(), Some(&(f64::INFINITY, 3)));
+            assert!(h.cumulative.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1), "{h:?}");
+            let under_25ms = h.cumulative.iter().find(|(le, _)| *le == 0.025).unwrap().1;
+            assert_eq!(under_25ms, 0, "none took less than 30 ms: {h:?}");
+            assert!(h.sum_seconds >= 0.09, "{h:?}");
+            ledger.close(Duration::from_secs(1)).await.unwrap();
         }
     }
 
