@@ -205,6 +205,9 @@ impl Prom {
 fn ledger_commits(out: &mut String, h: &spillway_ledger::CommitHistogram) {
     use std::fmt::Write;
     const NAME: &str = "spillway_ledger_commit_seconds";
+    if !out.is_empty() && !out.ends_with('\n') {
+        out.push('\n');
+    }
     let _ = writeln!(
         out,
         "# HELP {NAME} How long each ledger commit took (durable writes wait for theirs).\n# TYPE {NAME} histogram"
