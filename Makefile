@@ -141,7 +141,7 @@ test: deps deps-browser deps-fleet ui build build-desktop lint
 	@set -e -o pipefail; \
 	dir=$$(mktemp -d -t spillway-services.XXXXXX); \
 	log=$$(mktemp -t spillway-test.XXXXXX.log); \
-	trap 'rc=$$?; set +x; scripts/services stop "$$dir" || true; rm -rf "$$dir"; \
+	trap 'rc=$$?; set +ex; scripts/services stop "$$dir" || true; rm -rf "$$dir"; \
 		[ $$rc -eq 0 ] || scripts/failures "$$log"; rm -f "$$log"; exit $$rc' EXIT; \
 	trap 'exit 130' INT TERM; \
 	exports=$$(scripts/services start "$$dir"); eval "$$exports"; \

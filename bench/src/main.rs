@@ -319,22 +319,22 @@ struct CommitPhase {
 }
 
 fn commit_phase(before: &[(f64, u64)], after: &[(f64, u64)]) -> Option<CommitPhase> {
-    if before.len() != after.len() {
+    // A gateway that restarted between the scrapes (counts went down) tells nothing.
+    if before.len() != after.len() || after.iter().zip(before).any(|(a, b)| a.0 != b.0 || a.1 < b.1) {
         return None;
     }
-    let d: Vec<(f64, u64)> = after
-        .iter()
-        .zip(before)
-        .map(|(a, b)| (a.0, a.1.saturating_sub(b.1)))
-        .collect();
+    let d: Vec<(f64, u64)> = after.iter().zip(before).map(|(a, b)| (a.0, a.1 - b.1)).collect();
     let commits = d.last()?.1;
+    if commits == 0 {
+        return None;
+    }
     let at_most = |le: f64| d.iter().find(|(b, _)| *b >= le).map_or(commits, |x| x.1);
     let ms = |le: f64| le.is_finite().then_some(le * 1000.0);
     let p99 = d.iter().find(|(_, n)| *n as f64 >= 0.99 * commits as f64).map(|x| x.0);
     let slowest = d.iter().find(|(_, n)| *n == commits).map(|x| x.0);
     Some(CommitPhase {
         commits,
-        over_10ms: commits - at_most(0.01),
+        over_10ms: commits.saturating_sub(at_most(0.01)),
         p99_ms: p99.and_then(ms),
         slowest_ms: slowest.and_then(ms),
     })
@@ -1191,7 +1191,9 @@ async fn main() -> Result<()> {
             let m = Meter::start(t, tck);
             let lat = fixed_rate_with(&client, &t.url("bench"), key, payload.clone(), stream, rate, secs).await;
             let mut got = m.finish(lat, sent);
-            if let (Some(b), Some(a)) = (before, commit_buckets(&client, &t.base).await) {
+            if let Some(b) = before
+                && let Some(a) = commit_buckets(&client, &t.base).await
+            {
                 got.ledger_commits = commit_phase(&b, &a);
             }
             measured.push(got);

@@ -160,7 +160,7 @@ impl Shared {
 
     /// [`Shared::new`] with another call timeout: tests on a loaded machine give Redis
     /// longer than a gateway would, so that a slow moment does not read as an outage.
-    pub fn with_timeout(
+    pub(crate) fn with_timeout(
         url: &SecretUrl,
         instance: &str,
         expected: Option<u32>,

@@ -94,7 +94,8 @@ impl TestDb {
                 .await
             {
                 Ok(_) => break,
-                Err(e) if tries < 10 && e.to_string().contains("being accessed by other users") => {
+                // 55006: object_in_use ("source database is being accessed by other users").
+                Err(e) if tries < 10 && e.as_database_error().and_then(|d| d.code()).as_deref() == Some("55006") => {
                     tries += 1;
                     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
                 }
