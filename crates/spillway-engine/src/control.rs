@@ -477,6 +477,19 @@ struct Saved<T> {
     state: T,
 }
 
+impl<T: Serialize> Saved<T> {
+    /// `state` as saved at `at`: the row the ledger keeps and the message the fleet shares.
+    fn row(kind: &str, subject: &str, at: UnixMs, state: T) -> Option<ControlState> {
+        let state = serde_json::to_string(&Saved { saved_at: at, state }).ok()?;
+        Some(ControlState {
+            kind: kind.into(),
+            subject: subject.to_owned(),
+            state,
+            updated_at: at,
+        })
+    }
+}
+
 /// One write to the ledger, in the order transitions happened.
 struct Persist {
     state: Option<ControlState>,
@@ -731,17 +744,7 @@ impl Control {
         done: Option<oneshot::Sender<spillway_ledger::Result<()>>>,
     ) {
         let at = clock::now();
-        let state = serde_json::to_string(&Saved {
-            saved_at: at,
-            state: snap,
-        })
-        .ok()
-        .map(|state| ControlState {
-            kind: "breaker".into(),
-            subject: route.to_owned(),
-            state,
-            updated_at: at,
-        });
+        let state = Saved::row("breaker", route, at, snap);
         share(st, state.as_ref());
         let audit = AuditEntry {
             id: 0,
@@ -802,17 +805,7 @@ impl Control {
         done: Option<oneshot::Sender<spillway_ledger::Result<()>>>,
     ) {
         let snap = channel.health.outlier_snapshot(Instant::now());
-        let state = serde_json::to_string(&Saved {
-            saved_at: at,
-            state: snap,
-        })
-        .ok()
-        .map(|state| ControlState {
-            kind: "channel".into(),
-            subject: channel.cfg.name.clone(),
-            state,
-            updated_at: at,
-        });
+        let state = Saved::row("channel", &channel.cfg.name, at, snap);
         share(st, state.as_ref());
         let audit = AuditEntry {
             id: 0,
@@ -975,17 +968,12 @@ pub fn share_rotation(st: &AppState, channel: &ChannelRt) {
         return;
     }
     let at = clock::now();
-    let state = serde_json::to_string(&Saved {
-        saved_at: at,
-        state: channel.health.shared_rotation(Instant::now()),
-    })
-    .ok()
-    .map(|state| ControlState {
-        kind: "rotation".into(),
-        subject: channel.cfg.name.to_string(),
-        state,
-        updated_at: at,
-    });
+    let state = Saved::row(
+        "rotation",
+        &channel.cfg.name,
+        at,
+        channel.health.shared_rotation(Instant::now()),
+    );
     share(st, state.as_ref());
 }
 
