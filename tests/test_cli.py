@@ -1,12 +1,14 @@
 """The `spillway` command as a user meets it: `check`, and `serve` with no config at all."""
 
+import os
 import sqlite3
 import subprocess
 import time
+from pathlib import Path
 
 import openai
 
-from conftest import BIN, clean_env, read_line, stop
+from conftest import BIN, clean_env, read_line, start_gateway, stop
 
 
 def test_check_reports_file_line_and_field(tmp_path):
@@ -63,3 +65,39 @@ def test_embedded_default_with_demo_traffic(tmp_path):
         stop(proc)
     assert proc.returncode == 0
     assert key.encode() not in proc.stderr.read(), "P3: the demo key is printed once on stdout, never logged"
+
+
+
+def _request_threads(pid):
+    """The gateway's runtime workers, by the name tokio gives its threads."""
+    return sum(1 for t in Path(f"/proc/{pid}/task").iterdir() if (t / "comm").read_text().strip() == "tokio-rt-worker")
+
+
+def _answers(gw):
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=gw.key, max_retries=0)
+    return client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}]).choices
+
+
+def test_serve_leaves_a_core_to_the_ledger_and_takes_workers_from_the_command_line(tmp_path, sim):
+    # Default: one request thread per core but one (the ledger's writer has its own),
+    # never none.
+    (tmp_path / "a").mkdir()
+    gw = start_gateway(tmp_path / "a", sim)
+    try:
+        assert _request_threads(gw.proc.pid) == max(1, len(os.sched_getaffinity(0)) - 1)
+        assert _answers(gw)
+    finally:
+        stop(gw.proc)
+    # Asked for: three, whatever the cores.
+    (tmp_path / "b").mkdir()
+    gw = start_gateway(tmp_path / "b", sim, args=("--workers", "3"))
+    try:
+        assert _request_threads(gw.proc.pid) == 3
+        assert _answers(gw)
+    finally:
+        stop(gw.proc)
+    # None is refused before anything starts, naming the option.
+    r = subprocess.run([str(BIN), "serve", "--workers", "0"], capture_output=True, text=True,
+                       env=clean_env(SPILLWAY_DATA_DIR=str(tmp_path / "c")), timeout=20)
+    assert r.returncode == 2, r.stderr
+    assert "--workers" in r.stderr and "'0'" in r.stderr, r.stderr
