@@ -19,14 +19,16 @@ use crate::{
 };
 use async_trait::async_trait;
 use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
-use sqlx::query_builder::Separated;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
+use sqlx::sqlite::{
+    SqliteArguments, SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
+};
 use sqlx::{
-    AssertSqlSafe, ColumnIndex, Connection, Decode, QueryBuilder, Row, Sqlite, SqliteConnection, SqlitePool, Type,
+    Arguments, AssertSqlSafe, ColumnIndex, Connection, Decode, QueryBuilder, Row, Sqlite, SqliteConnection, SqlitePool,
+    Type,
 };
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::LazyLock;
+use std::sync::{LazyLock, OnceLock};
 use std::time::Duration;
 use tokio::sync::Mutex;
 
@@ -41,28 +43,57 @@ const WAL_RESTART_BYTES: u64 = 16 * 1024 * 1024;
 /// The WAL file is truncated back to this many bytes after it restarts.
 const WAL_SIZE_LIMIT: u64 = WAL_RESTART_BYTES;
 
-/// SQLite allows 32766 bound parameters per statement; a batch row binds one per
-/// column of the view (see the assertion below).
-pub(crate) const ROWS_PER_STATEMENT: usize = 470;
+/// Rows per batch statement, its largest size class: `ROWS_PER_STATEMENT` rows bind
+/// well under SQLite's 32766 parameters (see the assertion in the writer's tests). A
+/// larger batch, which only heavy load gathers, is several statements in one transaction.
+pub(crate) const ROWS_PER_STATEMENT: usize = 128;
 
-/// The largest batch that keeps its prepared statement. Larger ones come only under heavy
-/// load, where compiling is shared by many rows, and would fill the cache with big
-/// programs.
-const CACHED_ROWS: usize = 64;
+/// The row counts a batch statement is padded to (with rows of no kind, which the view's
+/// trigger skips): a statement's text depends only on its size class, so every batch
+/// reuses one of these few prepared statements instead of compiling its own (the trigger
+/// makes compiling a batch cost about as much as running it). Padding costs a batch at
+/// most a third of its rows, and only as unbound parameters, which SQLite reads as NULL.
+const SIZE_CLASSES: [usize; 22] = [
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    7,
+    8,
+    9,
+    10,
+    11,
+    12,
+    13,
+    14,
+    15,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    ROWS_PER_STATEMENT,
+];
 
-/// The row count a batch statement is padded to (with rows of no kind, which the view's
-/// trigger skips): a statement's text depends only on its size class, so small batches
-/// reuse one of a few prepared statements instead of compiling their own (the trigger
-/// makes compiling a batch cost about as much as running it).
+/// The index in [`SIZE_CLASSES`] of the smallest class that holds `rows` (1..=ROWS_PER_STATEMENT).
 fn size_class(rows: usize) -> usize {
-    match rows {
-        0..=16 => rows.max(1),
-        17..=24 => 24,
-        25..=32 => 32,
-        33..=48 => 48,
-        49..=CACHED_ROWS => CACHED_ROWS,
-        _ => rows,
-    }
+    SIZE_CLASSES.partition_point(|&c| c < rows.max(1))
+}
+
+/// `INSERT INTO ledger_batch VALUES (?, …), …` for each size class, built once: a batch
+/// only binds its values.
+fn batch_sql(class: usize) -> &'static str {
+    static TEXTS: [OnceLock<String>; SIZE_CLASSES.len()] = [const { OnceLock::new() }; SIZE_CLASSES.len()];
+    TEXTS[class].get_or_init(|| {
+        let row = format!("({})", vec!["?"; row_width()].join(", "));
+        format!(
+            "INSERT INTO ledger_batch VALUES {}",
+            vec![row; SIZE_CLASSES[class]].join(", ")
+        )
+    })
 }
 
 pub(crate) const REQUEST_COLUMNS: &str = "id, trace_id, client_request_id, upstream_request_id, key_name, owner, workflow, \
@@ -434,116 +465,132 @@ static BATCH_VIEW: LazyLock<String> = LazyLock::new(|| {
     )
 });
 
-fn nulls(b: &mut Separated<'_, Sqlite, &'static str>, n: usize) {
+/// Adds one value to a batch's arguments. Every type bound here encodes infallibly.
+fn put<'q, T: sqlx::Encode<'q, Sqlite> + Type<Sqlite>>(args: &mut SqliteArguments, v: T) {
+    let _ = args.add(v);
+}
+
+fn nulls(args: &mut SqliteArguments, n: usize) {
     for _ in 0..n {
-        b.push_bind(None::<i64>);
+        put(args, None::<i64>);
     }
 }
 
-/// `INSERT INTO ledger_batch VALUES ...` for `rows`, padded to their size class. Every
-/// value is a parameter, so the text is the same for every batch of that class.
-fn insert_batch(q: &mut QueryBuilder<Sqlite>, rows: &[BatchRow<'_>]) {
+/// The arguments of one batch statement for `rows`, in the view's column order. The
+/// padding rows of its size class are left unbound (NULL, so of no kind).
+fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
     let (requests, attempts, payloads) = (
         columns(REQUEST_COLUMNS).count(),
         columns(ATTEMPT_COLUMNS).count(),
         columns(PAYLOAD_COLUMNS).count(),
     );
-    let padding = size_class(rows.len()) - rows.len();
-    let padded = rows.iter().map(Some).chain(std::iter::repeat_n(None, padding));
-    q.push("INSERT INTO ledger_batch ");
-    q.push_values(padded, |mut b, row| match row {
-        Some(BatchRow::Request(r)) => {
-            b.push_bind("r");
-            bind_request(&mut b, r);
-            nulls(&mut b, attempts + payloads);
+    let mut args = SqliteArguments::default();
+    args.reserve(rows.len() * row_width(), 0);
+    for row in rows {
+        match row {
+            BatchRow::Request(r) => {
+                put(&mut args, "r");
+                bind_request(&mut args, r);
+                nulls(&mut args, attempts + payloads);
+            }
+            BatchRow::Attempt(a) => {
+                put(&mut args, "a");
+                nulls(&mut args, requests);
+                bind_attempt(&mut args, a);
+                nulls(&mut args, payloads);
+            }
+            BatchRow::Payload(p) => {
+                put(&mut args, "p");
+                nulls(&mut args, requests + attempts);
+                let r = p.response.as_ref();
+                put(&mut args, p.request_id.as_str());
+                put(&mut args, p.expires_at.0);
+                put(&mut args, p.request_body.as_deref());
+                put(&mut args, r.map(|r| i64::from(r.status)));
+                put(&mut args, r.map(|r| r.content_type.as_str()));
+                put(&mut args, r.map(|r| r.body.as_slice()));
+            }
         }
-        Some(BatchRow::Attempt(a)) => {
-            b.push_bind("a");
-            nulls(&mut b, requests);
-            bind_attempt(&mut b, a);
-            nulls(&mut b, payloads);
-        }
-        Some(BatchRow::Payload(p)) => {
-            b.push_bind("p");
-            nulls(&mut b, requests + attempts);
-            let r = p.response.as_ref();
-            b.push_bind(p.request_id.clone())
-                .push_bind(p.expires_at.0)
-                .push_bind(p.request_body.clone())
-                .push_bind(r.map(|r| i64::from(r.status)))
-                .push_bind(r.map(|r| r.content_type.clone()))
-                .push_bind(r.map(|r| r.body.clone()));
-        }
-        None => nulls(&mut b, row_width()),
-    });
+    }
+    args
 }
 
-fn bind_request(b: &mut Separated<'_, Sqlite, &'static str>, r: &RequestRecord) {
-    b.push_bind(r.id.clone())
-        .push_bind(r.trace_id.clone())
-        .push_bind(r.client_request_id.clone())
-        .push_bind(r.upstream_request_id.clone())
-        .push_bind(r.key_name.clone())
-        .push_bind(r.owner.clone())
-        .push_bind(r.workflow.clone())
-        .push_bind(r.format.as_str())
-        .push_bind(r.endpoint.clone())
-        .push_bind(r.route.clone())
-        .push_bind(r.channel.clone())
-        .push_bind(r.requested_model.clone())
-        .push_bind(r.served_model.clone())
-        .push_bind(r.stream)
-        .push_bind(r.state.as_str())
-        .push_bind(r.http_status.map(i64::from))
-        .push_bind(r.error_class.map(FailureClass::as_str))
-        .push_bind(r.error_message.clone())
-        .push_bind(i(r.input_tokens))
-        .push_bind(i(r.output_tokens))
-        .push_bind(i(r.cached_input_tokens))
-        .push_bind(i(r.reasoning_tokens))
-        .push_bind(r.cost_usd)
-        .push_bind(r.received_at.0)
-        .push_bind(r.admitted_at.map(|t| t.0))
-        .push_bind(r.first_token_at.map(|t| t.0))
-        .push_bind(r.finished_at.map(|t| t.0))
-        .push_bind(i(r.queued_ms))
-        .push_bind(i64::from(r.attempts))
-        .push_bind(r.body_sha256.clone())
-        .push_bind(r.partial_output_committed)
-        .push_bind(r.next_ready_at.map(|t| t.0))
-        .push_bind(r.idempotency_key.clone())
-        .push_bind(r.replay_of.clone())
-        .push_bind(r.response_id.clone())
-        .push_bind(i(r.cache_write_tokens))
-        .push_bind(i(r.estimated_input_tokens))
-        .push_bind(r.estimated_cost_usd)
-        .push_bind(r.failed_cost_usd)
-        .push_bind(r.pricing_version.clone())
-        .push_bind(r.policy_version.clone())
-        .push_bind(r.job_id.clone());
+/// One statement of a batch: `rows` (at most [`ROWS_PER_STATEMENT`]) through the view,
+/// as its size class's prepared statement.
+async fn insert_chunk(conn: &mut SqliteConnection, rows: &[BatchRow<'_>]) -> Result<()> {
+    sqlx::query_with(batch_sql(size_class(rows.len())), batch_args(rows))
+        .persistent(true)
+        .execute(conn)
+        .await?;
+    Ok(())
 }
 
-fn bind_attempt(b: &mut Separated<'_, Sqlite, &'static str>, a: &AttemptRecord) {
-    b.push_bind(a.request_id.clone())
-        .push_bind(i64::from(a.attempt_no))
-        .push_bind(a.channel.clone())
-        .push_bind(a.upstream_request_id.clone())
-        .push_bind(a.http_status.map(i64::from))
-        .push_bind(a.error_class.as_str())
-        .push_bind(a.provider_error_type.clone())
-        .push_bind(i(a.retry_after_ms))
-        .push_bind(a.message.clone())
-        .push_bind(a.started_at.0)
-        .push_bind(a.first_byte_at.map(|t| t.0))
-        .push_bind(a.finished_at.map(|t| t.0))
-        .push_bind(i(a.input_tokens))
-        .push_bind(i(a.output_tokens))
-        .push_bind(a.decision.map(Decision::as_str))
-        .push_bind(a.decision_reason.map(StopReason::as_str))
-        .push_bind(i(a.delay_ms))
-        .push_bind(a.ready_at.map(|t| t.0))
-        .push_bind(a.visibility.map(Visibility::as_str))
-        .push_bind(a.cost_usd);
+fn bind_request(b: &mut SqliteArguments, r: &RequestRecord) {
+    put(b, r.id.as_str());
+    put(b, r.trace_id.as_str());
+    put(b, r.client_request_id.as_deref());
+    put(b, r.upstream_request_id.as_deref());
+    put(b, r.key_name.as_deref());
+    put(b, r.owner.as_deref());
+    put(b, r.workflow.as_deref());
+    put(b, r.format.as_str());
+    put(b, r.endpoint.as_str());
+    put(b, r.route.as_deref());
+    put(b, r.channel.as_deref());
+    put(b, r.requested_model.as_deref());
+    put(b, r.served_model.as_deref());
+    put(b, r.stream);
+    put(b, r.state.as_str());
+    put(b, r.http_status.map(i64::from));
+    put(b, r.error_class.map(FailureClass::as_str));
+    put(b, r.error_message.as_deref());
+    put(b, i(r.input_tokens));
+    put(b, i(r.output_tokens));
+    put(b, i(r.cached_input_tokens));
+    put(b, i(r.reasoning_tokens));
+    put(b, r.cost_usd);
+    put(b, r.received_at.0);
+    put(b, r.admitted_at.map(|t| t.0));
+    put(b, r.first_token_at.map(|t| t.0));
+    put(b, r.finished_at.map(|t| t.0));
+    put(b, i(r.queued_ms));
+    put(b, i64::from(r.attempts));
+    put(b, r.body_sha256.as_deref());
+    put(b, r.partial_output_committed);
+    put(b, r.next_ready_at.map(|t| t.0));
+    put(b, r.idempotency_key.as_deref());
+    put(b, r.replay_of.as_deref());
+    put(b, r.response_id.as_deref());
+    put(b, i(r.cache_write_tokens));
+    put(b, i(r.estimated_input_tokens));
+    put(b, r.estimated_cost_usd);
+    put(b, r.failed_cost_usd);
+    put(b, r.pricing_version.as_deref());
+    put(b, r.policy_version.as_deref());
+    put(b, r.job_id.as_deref());
+}
+
+fn bind_attempt(b: &mut SqliteArguments, a: &AttemptRecord) {
+    put(b, a.request_id.as_str());
+    put(b, i64::from(a.attempt_no));
+    put(b, a.channel.as_str());
+    put(b, a.upstream_request_id.as_deref());
+    put(b, a.http_status.map(i64::from));
+    put(b, a.error_class.as_str());
+    put(b, a.provider_error_type.as_deref());
+    put(b, i(a.retry_after_ms));
+    put(b, a.message.as_deref());
+    put(b, a.started_at.0);
+    put(b, a.first_byte_at.map(|t| t.0));
+    put(b, a.finished_at.map(|t| t.0));
+    put(b, i(a.input_tokens));
+    put(b, i(a.output_tokens));
+    put(b, a.decision.map(Decision::as_str));
+    put(b, a.decision_reason.map(StopReason::as_str));
+    put(b, i(a.delay_ms));
+    put(b, a.ready_at.map(|t| t.0));
+    put(b, a.visibility.map(Visibility::as_str));
+    put(b, a.cost_usd);
 }
 
 /// The smallest UUIDv7 string of millisecond `ms`: ids compare as strings in time order.
@@ -839,38 +886,36 @@ impl LedgerBackend for SqliteBackend {
         // Every command to sqlx's SQLite connection is a hand-off to its worker thread and
         // back, and every statement's result one more wake-up of this task: a batch is one
         // statement (see `BATCH_VIEW`), committed in autocommit. Only a batch too large
-        // for one statement's parameters is several, in one transaction.
+        // for one statement is several, in one transaction.
         let rows: Vec<BatchRow<'_>> = requests
             .iter()
             .map(BatchRow::Request)
             .chain(attempts.iter().map(BatchRow::Attempt))
             .chain(payloads.iter().map(BatchRow::Payload))
             .collect();
-        let several = rows.len() > ROWS_PER_STATEMENT;
-        let mut q: QueryBuilder<Sqlite> = QueryBuilder::new("");
-        if several {
-            q.push("BEGIN IMMEDIATE; ");
+        if rows.len() <= ROWS_PER_STATEMENT {
+            return insert_chunk(conn, &rows).await;
         }
+        sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await?;
+        let mut written = Ok(());
         for chunk in rows.chunks(ROWS_PER_STATEMENT) {
-            insert_batch(&mut q, chunk);
-            q.push("; ");
-        }
-        if several {
-            q.push("COMMIT;");
-        }
-        let result = q
-            .build()
-            .persistent(rows.len() <= CACHED_ROWS)
-            .execute(&mut *conn)
-            .await;
-        if let Err(e) = result {
-            if several {
-                // The statement that failed left the transaction open.
-                *in_doubt = sqlx::query("ROLLBACK").execute(&mut *conn).await.is_err();
+            written = insert_chunk(conn, chunk).await;
+            if written.is_err() {
+                break;
             }
-            return Err(e.into());
         }
-        Ok(())
+        if written.is_ok() {
+            written = sqlx::query("COMMIT")
+                .execute(&mut *conn)
+                .await
+                .map(drop)
+                .map_err(Error::from);
+        }
+        if written.is_err() {
+            // A statement that failed, or a commit that did, left the transaction open.
+            *in_doubt = sqlx::query("ROLLBACK").execute(&mut *conn).await.is_err();
+        }
+        written
     }
 
     async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>> {
@@ -2243,5 +2288,65 @@ impl LedgerBackend for SqliteBackend {
         let _writer = self.writer.lock().await;
         let (_, tail) = checkpoint(&mut conn).await?;
         Ok(done.max(tail))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str) -> RequestRecord {
+        let mut r = RequestRecord::received(
+            id.into(),
+            "0af7651916cd43dd8448eb211c80319c".into(),
+            Format::OpenAi,
+            "/v1/chat/completions",
+            UnixMs(1),
+        );
+        r.state = RequestState::Done;
+        r
+    }
+
+    #[test]
+    fn every_size_class_holds_its_rows_and_the_largest_holds_a_statement() {
+        for rows in 1..=ROWS_PER_STATEMENT {
+            let class = SIZE_CLASSES[size_class(rows)];
+            assert!(
+                class >= rows && class <= rows + rows.div_ceil(2),
+                "{rows} rows -> {class}"
+            );
+        }
+        assert_eq!(SIZE_CLASSES[size_class(ROWS_PER_STATEMENT)], ROWS_PER_STATEMENT);
+        assert_eq!(batch_sql(size_class(3)).matches('?').count(), 3 * row_width());
+    }
+
+    #[tokio::test]
+    async fn a_batch_of_several_statements_is_written_whole_or_not_at_all() {
+        // spec: I3
+        let dir = tempfile::tempdir().unwrap();
+        let db = SqliteBackend::open(&dir.path().join("ledger.db")).await.unwrap();
+        // A row in the batch's last statement fails: the rows of its first statements,
+        // already executed, must not stay behind.
+        {
+            let mut w = db.writer.lock().await;
+            sqlx::raw_sql(
+                "CREATE TEMP TRIGGER refuse_boom BEFORE INSERT ON main.requests \
+                 WHEN NEW.id = 'boom' BEGIN SELECT RAISE(ABORT, 'refused'); END",
+            )
+            .execute(&mut w.0)
+            .await
+            .unwrap();
+        }
+        let mut reqs: Vec<_> = (0..300).map(|i| rec(&format!("many-{i:03}"))).collect();
+        reqs.push(rec("boom"));
+        let err = db.write_batch(&reqs, &[], &[]).await.unwrap_err();
+        assert!(err.to_string().contains("refused"), "{err}");
+        assert!(db.get_request("many-000").await.unwrap().is_none());
+        assert!(db.get_request("many-299").await.unwrap().is_none());
+        // The connection is out of the transaction: the next batch commits on its own.
+        reqs.pop();
+        db.write_batch(&reqs, &[], &[]).await.unwrap();
+        assert!(db.get_request("many-000").await.unwrap().is_some());
+        assert!(db.get_request("many-299").await.unwrap().is_some());
     }
 }
