@@ -13,9 +13,9 @@
 
 use crate::jobs::JOB_COLUMNS;
 use crate::sqlite::{
-    ATTEMPT_COLUMNS, INSTANCE_COLUMNS, JOB_LIST_COLUMNS, JOB_UPSERT, PAYLOAD_COLUMNS, REQUEST_COLUMNS,
-    REQUEST_READ_COLUMNS, REQUEST_UPSERT, attempt_from_row, columns, hex_to_uuid, i, instance_from_row, job_from_row,
-    ms, rank_sql, request_from_row, taken_over_message, uuid_floor,
+    ATTEMPT_COLUMNS, ATTEMPT_WIDTH, INSTANCE_COLUMNS, JOB_LIST_COLUMNS, JOB_UPSERT, PAYLOAD_COLUMNS, PAYLOAD_WIDTH,
+    REQUEST_COLUMNS, REQUEST_READ_COLUMNS, REQUEST_UPSERT, REQUEST_WIDTH, attempt_from_row, columns, hex_to_uuid, i,
+    instance_from_row, job_from_row, ms, rank_sql, request_from_row, taken_over_message, uuid_floor,
 };
 use crate::{
     Accounts, AttemptRecord, AuditEntry, BalanceEntry, ControlState, CostCell, DayFigures, Decision, Error, ErrorCount,
@@ -395,7 +395,7 @@ impl LedgerBackend for PgBackend {
         let mut tx = self.pool.begin().await?;
         // The instance column is written on insert only: a row keeps the instance that
         // first wrote it (the one whose crash would leave it in flight).
-        for chunk in requests.chunks(rows_per_statement(columns(REQUEST_COLUMNS).count() + 1)) {
+        for chunk in requests.chunks(rows_per_statement(REQUEST_WIDTH + 1)) {
             let mut q: QueryBuilder<Postgres> =
                 QueryBuilder::new(format!("INSERT INTO requests ({REQUEST_COLUMNS}, instance) "));
             q.push_values(chunk, |mut b, r| {
@@ -408,7 +408,7 @@ impl LedgerBackend for PgBackend {
                 .execute(&mut *tx)
                 .await?;
         }
-        for chunk in attempts.chunks(rows_per_statement(columns(ATTEMPT_COLUMNS).count())) {
+        for chunk in attempts.chunks(rows_per_statement(ATTEMPT_WIDTH)) {
             let mut q: QueryBuilder<Postgres> = QueryBuilder::new(format!("INSERT INTO attempts ({ATTEMPT_COLUMNS}) "));
             q.push_values(chunk, |mut b, a| bind_attempt(&mut b, a));
             q.push(&*ATTEMPT_UPSERT);
@@ -417,7 +417,7 @@ impl LedgerBackend for PgBackend {
                 .execute(&mut *tx)
                 .await?;
         }
-        for chunk in payloads.chunks(rows_per_statement(columns(PAYLOAD_COLUMNS).count())) {
+        for chunk in payloads.chunks(rows_per_statement(PAYLOAD_WIDTH)) {
             let mut q: QueryBuilder<Postgres> = QueryBuilder::new(format!("INSERT INTO payloads ({PAYLOAD_COLUMNS}) "));
             q.push_values(chunk, |mut b, p| bind_payload(&mut b, p));
             q.push(&*PAYLOAD_UPSERT);
