@@ -44,7 +44,20 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .init();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    // The same request threads as `spillway serve` (SPILLWAY_WORKERS, or one per core but one).
+    let asked = match env("SPILLWAY_WORKERS") {
+        Some(v) => Some(
+            v.parse::<u16>()
+                .ok()
+                .filter(|n| (1..=1024).contains(n))
+                .with_context(|| format!("SPILLWAY_WORKERS={v}: expected a number of threads from 1 to 1024"))?,
+        ),
+        None => None,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(spillway_cli::launch::request_threads(asked))
+        .enable_all()
+        .build()?;
     let engine = rt.block_on(start_engine())?;
     let url = format!("{}/#token={}", engine.url, engine.token.secret());
     let state = engine.running.state.clone();

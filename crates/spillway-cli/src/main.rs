@@ -298,18 +298,6 @@ struct ServeArgs {
     workers: Option<u16>,
 }
 
-/// The runtime's worker threads for `serve`: one per core but one. Every durable commit
-/// runs on the ledger's own SQLite thread, which is busy whenever requests are; a worker
-/// per core as well put one more thread than cores on the run queue, and the workers
-/// spent their time waking and stealing from each other (`make bench` on 2 cores, one
-/// worker against two: CPU per request 400 against 467 µs at 500 req/s, 277 against
-/// 343 µs at 2,000, closed-loop throughput the same).
-fn serve_workers(asked: Option<u16>) -> usize {
-    asked
-        .map(usize::from)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1)))
-}
-
 async fn serve(args: ServeArgs) -> Result<()> {
     // Listen for signals before anything starts: a Ctrl-C during start-up is not lost.
     let mut signals = Signals::new().context("cannot listen for signals")?;
@@ -400,7 +388,7 @@ fn main() -> Result<()> {
         .init();
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if let Command::Serve(args) = &cli.command {
-        let workers = serve_workers(args.workers);
+        let workers = launch::request_threads(args.workers);
         tracing::info!(workers, "request threads");
         rt.worker_threads(workers);
     }
