@@ -30,7 +30,7 @@ use futures_util::FutureExt;
 use http_body_util::{BodyExt, Limited};
 use sha2::{Digest, Sha256};
 use spillway_ledger::RequestRecord;
-use spillway_wire::{Api, Format, parse_request, request::valid_model_name};
+use spillway_wire::{Api, Format, ParsedRequest, RequestError, parse_request, request::valid_model_name};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
@@ -387,6 +387,24 @@ fn is_json(headers: &HeaderMap) -> bool {
     })
 }
 
+/// Bodies up to this size are hashed and parsed on the request thread; larger ones on the
+/// blocking pool (a 16 MiB body takes tens of milliseconds).
+const PARSE_INLINE_BYTES: usize = 256 * 1024;
+
+/// The body's SHA-256 (hex) and its parse.
+fn hash_and_parse(
+    format: Format,
+    api: Api,
+    model: Option<&str>,
+    path_stream: bool,
+    bytes: &[u8],
+) -> (String, Result<ParsedRequest, RequestError>) {
+    (
+        hex::encode(Sha256::digest(bytes)),
+        parse_request(format, api, model, path_stream, bytes),
+    )
+}
+
 pub(crate) async fn read_body(body: Body, limit: u64, deadline: Duration) -> Result<Bytes, GatewayError> {
     match tokio::time::timeout(deadline, Limited::new(body, limit as usize).collect()).await {
         Err(_) => Err(GatewayError::BodyTimeout {
@@ -527,8 +545,20 @@ async fn handle<C: Caller>(
         Err(e) => return life.close(End::refused(e)).await,
     };
     // I6: the prompt itself is not stored, only its hash.
-    life.rec.body_sha256 = Some(hex::encode(Sha256::digest(&bytes)));
-    let parsed = match parse_request(format, api, life.rec.requested_model.as_deref(), path_stream, &bytes) {
+    let (sha, parsed) = if bytes.len() <= PARSE_INLINE_BYTES {
+        hash_and_parse(format, api, life.rec.requested_model.as_deref(), path_stream, &bytes)
+    } else {
+        // Milliseconds of CPU for a large body: off the request threads (there may be
+        // only one), so one big prompt does not hold every other request up.
+        let (b, model) = (bytes.clone(), life.rec.requested_model.clone());
+        match tokio::task::spawn_blocking(move || hash_and_parse(format, api, model.as_deref(), path_stream, &b)).await
+        {
+            Ok(done) => done,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    };
+    life.rec.body_sha256 = Some(sha);
+    let parsed = match parsed {
         Ok(p) => p,
         Err(e) => return life.close(End::refused(e.into())).await,
     };
