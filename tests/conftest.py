@@ -17,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,3 +221,24 @@ def gateway_factory(tmp_path, sim):
     yield make
     for gw in started:
         stop(gw.proc)
+
+
+def cores():
+    """The cores the gateway's binary sees, as Rust's `available_parallelism` counts them:
+    the CPUs this process may run on, capped by a cgroup v2 CPU quota."""
+    n = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            n = min(n, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def runtime_workers(url):
+    """The gateway's request threads, as its /metrics reports them."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("spillway_runtime_workers "):
+            return int(float(line.split()[1]))
+    raise AssertionError("no spillway_runtime_workers in /metrics")

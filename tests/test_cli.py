@@ -1,14 +1,16 @@
 """The `spillway` command as a user meets it: `check`, and `serve` with no config at all."""
 
-import os
+import concurrent.futures
+import json
 import sqlite3
 import subprocess
 import time
-from pathlib import Path
 
 import openai
 
-from conftest import BIN, clean_env, read_line, start_gateway, stop
+import httpx
+
+from conftest import BIN, clean_env, cores, read_line, runtime_workers, start_gateway, stop
 
 
 def test_check_reports_file_line_and_field(tmp_path):
@@ -68,10 +70,6 @@ def test_embedded_default_with_demo_traffic(tmp_path):
 
 
 
-def _request_threads(pid):
-    """The gateway's runtime workers, by the name tokio gives its threads."""
-    return sum(1 for t in Path(f"/proc/{pid}/task").iterdir() if (t / "comm").read_text().strip() == "tokio-rt-worker")
-
 
 def _answers(gw):
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=gw.key, max_retries=0)
@@ -79,12 +77,12 @@ def _answers(gw):
 
 
 def test_serve_leaves_a_core_to_the_ledger_and_takes_workers_from_the_command_line(tmp_path, sim):
-    # Default: one request thread per core but one (the ledger's writer has its own),
-    # never none.
+    # Default with a SQLite ledger: one request thread per core but one (the ledger's
+    # writer thread has its own), never none.
     (tmp_path / "a").mkdir()
     gw = start_gateway(tmp_path / "a", sim)
     try:
-        assert _request_threads(gw.proc.pid) == max(1, len(os.sched_getaffinity(0)) - 1)
+        assert runtime_workers(gw.url) == max(1, cores() - 1)
         assert _answers(gw)
     finally:
         stop(gw.proc)
@@ -92,7 +90,7 @@ def test_serve_leaves_a_core_to_the_ledger_and_takes_workers_from_the_command_li
     (tmp_path / "b").mkdir()
     gw = start_gateway(tmp_path / "b", sim, args=("--workers", "3"))
     try:
-        assert _request_threads(gw.proc.pid) == 3
+        assert runtime_workers(gw.url) == 3
         assert _answers(gw)
     finally:
         stop(gw.proc)
@@ -101,3 +99,34 @@ def test_serve_leaves_a_core_to_the_ledger_and_takes_workers_from_the_command_li
                        env=clean_env(SPILLWAY_DATA_DIR=str(tmp_path / "c")), timeout=20)
     assert r.returncode == 2, r.stderr
     assert "--workers" in r.stderr and "'0'" in r.stderr, r.stderr
+
+
+def test_a_large_body_is_parsed_off_the_request_threads_and_others_are_answered_meanwhile(tmp_path, sim):
+    # With one request thread, a 14 MiB prompt's hash and parse (tens of milliseconds in a
+    # release build, about a second in this debug one) must not hold up a small request
+    # that arrives while they run.
+    gw = start_gateway(tmp_path, sim, args=("--workers", "1"), extra_yaml="max_body_bytes: 16777216")
+    try:
+        assert runtime_workers(gw.url) == 1
+        # Many small messages: a parse that builds hundreds of thousands of values.
+        big = json.dumps({"model": "gpt-4o-mini", "messages": [
+            {"role": "user", "content": "w"}] * (14 * 1024 * 1024 // 32)}, separators=(",", ":")).encode()
+        small = json.dumps({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        headers = {"authorization": f"Bearer {gw.key}", "content-type": "application/json"}
+        with httpx.Client(timeout=60) as c:
+            assert c.post(gw.url + "/v1/chat/completions", content=small, headers=headers).status_code == 200
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                large = pool.submit(c.post, gw.url + "/v1/chat/completions", content=big, headers=headers)
+                answered = []
+                deadline = time.monotonic() + 120
+                while not large.done() and time.monotonic() < deadline:
+                    t = time.monotonic()
+                    assert c.post(gw.url + "/v1/chat/completions", content=small, headers=headers).status_code == 200
+                    answered.append(time.monotonic() - t)
+                assert large.result(timeout=5).status_code == 200
+        # Small requests were answered all along: none waited for the large one's parse,
+        # which held one for about two seconds here when it ran on the request thread.
+        assert len(answered) >= 3, answered
+        assert max(answered) < 0.75, sorted(answered)[-5:]
+    finally:
+        stop(gw.proc)

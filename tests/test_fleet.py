@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from conftest import BIN, MODELS, ROOT, clean_env, http_json, wait_for
+from conftest import BIN, MODELS, ROOT, clean_env, cores, http_json, runtime_workers, wait_for
 from wire import BODIES, auth, error_of, path
 
 SERVICES = ROOT / "scripts" / "services"
@@ -254,15 +254,16 @@ class Fleet:
             args += ["--ledger", self.ledger, "--redis", self.redis, "--instance", name]
         return args
 
-    def start(self, name):
-        """Starts instance `name` (`--ledger`, `--redis`, `--instance`); its stdout and stderr
-        go to files (a pipe nobody reads could fill and stall it)."""
+    def start(self, name, in_file=False):
+        """Starts instance `name` (`--ledger`, `--redis`, `--instance`, or with `in_file` those
+        in its config file); its stdout and stderr go to files (a pipe nobody reads could
+        fill and stall it)."""
         d = self.tmp / name
         d.mkdir(parents=True, exist_ok=True)
         n = len(self.procs)
         out, log = d / f"stdout-{n}.txt", d / f"stderr-{n}.txt"
         with open(out, "wb") as o, open(log, "wb") as e:
-            proc = subprocess.Popen(self.args(name), stdout=o, stderr=e, env=self.env(name))
+            proc = subprocess.Popen(self.args(name, in_file), stdout=o, stderr=e, env=self.env(name))
         self.procs.append(proc)
         deadline = time.monotonic() + 30
         while True:
@@ -714,3 +715,16 @@ def test_r1_one_idempotency_key_on_three_instances_makes_one_provider_call(make_
         assert r.content == originals[0].content
     assert fleet.sim.stats(ch)["calls"] == 1
     assert fleet.sql("SELECT count(*) FROM requests WHERE idempotency_key = 'pay-77' AND attempts >= 1") == [("1",)]
+
+
+def test_r1_an_instance_on_postgresql_serves_on_every_core(make_fleet):
+    # A PostgreSQL ledger has no SQLite writer thread to leave a core to: the instance's
+    # request threads are one per core, whether the ledger is named on the command line
+    # or in the config file.
+    fleet = make_fleet()
+    a = fleet.start("a")
+    b = fleet.start("b", in_file=True)
+    assert runtime_workers(a.url) == cores()
+    assert runtime_workers(b.url) == cores()
+    for inst in (a, b):
+        assert inst.post("openai", chat("hi")).status_code == 200

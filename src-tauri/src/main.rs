@@ -44,7 +44,7 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .init();
-    // The same request threads as `spillway serve` (SPILLWAY_WORKERS, or one per core but one).
+    // The same request threads as `spillway serve` (SPILLWAY_WORKERS, or the same default).
     let asked = match env("SPILLWAY_WORKERS") {
         Some(v) => Some(
             v.parse::<u16>()
@@ -55,7 +55,10 @@ fn main() -> Result<()> {
         None => None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(spillway_cli::launch::request_threads(asked))
+        .worker_threads(spillway_cli::launch::request_threads(
+            asked,
+            spillway_cli::launch::sqlite_ledger(env("SPILLWAY_CONFIG").map(PathBuf::from).as_deref(), None),
+        ))
         .enable_all()
         .build()?;
     let engine = rt.block_on(start_engine())?;

@@ -277,16 +277,28 @@ impl Launched {
     }
 }
 
-/// The runtime's worker threads for the gateway, `asked` or else one per core but one.
-/// Every durable commit runs on the ledger's own SQLite thread, which is busy whenever
-/// requests are; a worker per core as well put one more thread than cores on the run
-/// queue, and the workers spent their time waking and stealing from each other
-/// (`make bench` on 2 cores, one worker against two: CPU per request 400 against 467 µs
-/// at 500 req/s, 277 against 343 µs at 2,000, closed-loop throughput the same).
-pub fn request_threads(asked: Option<u16>) -> usize {
-    asked
-        .map(usize::from)
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1)))
+/// The runtime's worker threads for the gateway: `asked`, or else one per core, but one
+/// fewer with a SQLite ledger. SQLite's commits run on a thread of their own, which is
+/// busy whenever requests are; a worker per core as well put one more thread than cores
+/// on the run queue, and the workers spent their time waking and stealing from each
+/// other (`make bench` on 2 cores, one worker against two: CPU per request 400 against
+/// 467 µs at 500 req/s, 277 against 343 µs at 2,000, closed-loop throughput the same).
+/// A PostgreSQL ledger has no such thread here.
+pub fn request_threads(asked: Option<u16>, sqlite: bool) -> usize {
+    asked.map(usize::from).unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if sqlite { cores.saturating_sub(1).max(1) } else { cores }
+    })
+}
+
+/// Whether the gateway that `config` and a `--ledger` flag describe keeps a SQLite
+/// ledger. A config that does not load counts as SQLite: serving it reports the error.
+pub fn sqlite_ledger(config: Option<&Path>, ledger: Option<&Path>) -> bool {
+    if let Some(p) = ledger {
+        return pg_url(p).is_none();
+    }
+    // The embedded default is SQLite; only a config file names PostgreSQL.
+    config.is_none_or(|c| !matches!(load(Some(c)).map(|c| c.ledger), Ok(Some(LedgerLocation::Postgres(_)))))
 }
 
 #[cfg(test)]

@@ -292,8 +292,8 @@ struct ServeArgs {
     /// Print a console link carrying the admin token on stdout (for `make run`).
     #[arg(long)]
     show_admin_token: bool,
-    /// Threads serving requests. Default: one per core but one, which is left to the
-    /// ledger's writer thread (at least one).
+    /// Threads serving requests. Default: one per core, but one fewer with a SQLite
+    /// ledger, whose writer thread gets that core (at least one).
     #[arg(long, env = "SPILLWAY_WORKERS", value_parser = clap::value_parser!(u16).range(1..=1024))]
     workers: Option<u16>,
 }
@@ -388,7 +388,8 @@ fn main() -> Result<()> {
         .init();
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if let Command::Serve(args) = &cli.command {
-        let workers = launch::request_threads(args.workers);
+        let sqlite = launch::sqlite_ledger(args.config.as_deref(), args.ledger.as_deref());
+        let workers = launch::request_threads(args.workers, sqlite);
         tracing::info!(workers, "request threads");
         rt.worker_threads(workers);
     }

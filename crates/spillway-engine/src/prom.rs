@@ -192,6 +192,10 @@ impl Prom {
                 &[],
                 f64::from(u8::from(st.ledger.is_healthy())),
             );
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                // The threads serving requests (`--workers`), for an operator sizing a host.
+                gauge("spillway_runtime_workers", &[], rt.metrics().num_workers() as f64);
+            }
         });
         let mut out = self.handle.render();
         ledger_commits(&mut out, &st.ledger.commit_histogram());

@@ -1379,6 +1379,8 @@ async fn n4_metrics_are_prometheus_text_with_bounded_labels() {
         text.contains("# TYPE spillway_ledger_commit_seconds histogram"),
         "{text}"
     );
+    // The threads serving requests: this test's runtime has one.
+    assert_eq!(value("spillway_runtime_workers"), 1.0);
     // Every line is a comment or `name{labels} value`.
     for l in text.lines().filter(|l| !l.is_empty() && !l.starts_with('#')) {
         let (_, v) = l.rsplit_once(' ').unwrap();
