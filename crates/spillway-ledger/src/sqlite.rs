@@ -525,12 +525,16 @@ fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
             }
         }
     }
+    // Every value above encodes infallibly; one that did not would shift the rest of its
+    // row into the wrong columns.
+    debug_assert_eq!(args.len(), rows.len() * row_width());
     args
 }
 
 /// One statement of a batch: `rows` (at most [`ROWS_PER_STATEMENT`]) through the view,
 /// as its size class's prepared statement.
 async fn insert_chunk(conn: &mut SqliteConnection, rows: &[BatchRow<'_>]) -> Result<()> {
+    debug_assert!(rows.len() <= ROWS_PER_STATEMENT, "a chunk of {} rows", rows.len());
     sqlx::query_with(batch_sql(size_class(rows.len())), batch_args(rows))
         .persistent(true)
         .execute(conn)
