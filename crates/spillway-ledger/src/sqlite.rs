@@ -2313,15 +2313,7 @@ mod tests {
     use super::*;
 
     fn rec(id: &str) -> RequestRecord {
-        let mut r = RequestRecord::received(
-            id.into(),
-            "0af7651916cd43dd8448eb211c80319c".into(),
-            Format::OpenAi,
-            "/v1/chat/completions",
-            UnixMs(1),
-        );
-        r.state = RequestState::Done;
-        r
+        crate::testdb::rec(id, RequestState::Done)
     }
 
     #[test]

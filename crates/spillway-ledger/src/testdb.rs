@@ -9,7 +9,8 @@
 //! Without the variable the PostgreSQL half of each test is skipped, saying so, unless
 //! `SPILLWAY_REQUIRE_SERVICES=1` (`make test` sets it): then its absence is a failure.
 
-use crate::{Ledger, LedgerBackend, PgBackend, SqliteBackend};
+use crate::{Ledger, LedgerBackend, PgBackend, RequestRecord, RequestState, SqliteBackend};
+use spillway_wire::{Format, UnixMs};
 use sqlx::Connection;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -235,6 +236,28 @@ macro_rules! both_backends {
     };
 }
 pub(crate) use both_backends;
+
+/// A request record as the tests write it: an OpenAI chat request by key `app`, admitted.
+pub(crate) fn rec(id: &str, state: RequestState) -> RequestRecord {
+    let mut r = RequestRecord::received(
+        id.into(),
+        "0af7651916cd43dd8448eb211c80319c".into(),
+        Format::OpenAi,
+        "/v1/chat/completions",
+        UnixMs(1),
+    );
+    r.client_request_id = Some("client-1".into());
+    r.key_name = Some("app".into());
+    r.owner = Some("team-a".into());
+    r.route = Some("openai/gpt-4o-mini".into());
+    r.channel = Some("openai-a".into());
+    r.requested_model = Some("gpt-4o-mini".into());
+    r.served_model = Some("gpt-4o-mini".into());
+    r.state = state;
+    r.admitted_at = Some(UnixMs(2));
+    r.body_sha256 = Some("ab".into());
+    r
+}
 
 #[cfg(test)]
 mod tests {

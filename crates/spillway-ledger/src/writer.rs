@@ -778,32 +778,11 @@ async fn write_loop(backend: Arc<dyn LedgerBackend>, queue: Arc<Queue>, health: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testdb::{Kind, TestDb, both_backends};
+    use crate::testdb::{Kind, TestDb, both_backends, rec};
     use crate::{InstanceRow, JobRecord, RequestState, TakeOver};
     use async_trait::async_trait;
-    use spillway_wire::{ErrorClass, Format};
+    use spillway_wire::ErrorClass;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-    fn rec(id: &str, state: RequestState) -> RequestRecord {
-        let mut r = RequestRecord::received(
-            id.into(),
-            "0af7651916cd43dd8448eb211c80319c".into(),
-            Format::OpenAi,
-            "/v1/chat/completions",
-            UnixMs(1),
-        );
-        r.client_request_id = Some("client-1".into());
-        r.key_name = Some("app".into());
-        r.owner = Some("team-a".into());
-        r.route = Some("openai/gpt-4o-mini".into());
-        r.channel = Some("openai-a".into());
-        r.requested_model = Some("gpt-4o-mini".into());
-        r.served_model = Some("gpt-4o-mini".into());
-        r.state = state;
-        r.admitted_at = Some(UnixMs(2));
-        r.body_sha256 = Some("ab".into());
-        r
-    }
 
     both_backends! {
         async fn i3_durable_calling_api_then_done(db) {
