@@ -391,6 +391,13 @@ fn is_json(headers: &HeaderMap) -> bool {
 /// blocking pool (a 16 MiB body takes tens of milliseconds).
 const PARSE_INLINE_BYTES: usize = 256 * 1024;
 
+/// Large bodies hashed and parsed at once: one per core. A client sending many large
+/// bodies together would otherwise have the blocking pool build hundreds of parse trees
+/// side by side; past this they wait their turn, as they did on the request threads.
+static LARGE_PARSES: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
+    tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(1, |n| n.get()))
+});
+
 /// The body's SHA-256 (hex) and its parse.
 fn hash_and_parse(
     format: Format,
@@ -551,6 +558,8 @@ async fn handle<C: Caller>(
         // Milliseconds of CPU for a large body: off the request threads (there may be
         // only one), so one big prompt does not hold every other request up.
         let (b, model) = (bytes.clone(), life.rec.requested_model.clone());
+        // The semaphore is never closed.
+        let _turn = LARGE_PARSES.acquire().await.ok();
         match tokio::task::spawn_blocking(move || hash_and_parse(format, api, model.as_deref(), path_stream, &b)).await
         {
             Ok(done) => done,
