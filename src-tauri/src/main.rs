@@ -45,15 +45,10 @@ fn main() -> Result<()> {
         .with_ansi(false)
         .init();
     // The same request threads as `spillway serve` (SPILLWAY_WORKERS, or the same default).
-    let asked = match env("SPILLWAY_WORKERS") {
-        Some(v) => Some(
-            v.parse::<u16>()
-                .ok()
-                .filter(|n| (1..=1024).contains(n))
-                .with_context(|| format!("SPILLWAY_WORKERS={v}: expected a number of threads from 1 to 1024"))?,
-        ),
-        None => None,
-    };
+    let asked = env("SPILLWAY_WORKERS")
+        .map(|v| spillway_cli::launch::parse_workers(&v))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("SPILLWAY_WORKERS: {e}"))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(spillway_cli::launch::request_threads(
             asked,

@@ -291,6 +291,15 @@ pub fn request_threads(asked: Option<u16>, sqlite: bool) -> usize {
     })
 }
 
+/// A request-thread count as `--workers` or `SPILLWAY_WORKERS` gives it: 1 to 1024.
+pub fn parse_workers(v: &str) -> Result<u16, String> {
+    v.trim()
+        .parse::<u16>()
+        .ok()
+        .filter(|n| (1..=1024).contains(n))
+        .ok_or_else(|| format!("`{v}` is not a number of threads from 1 to 1024"))
+}
+
 /// Whether the gateway that `config` and a `--ledger` flag describe keeps a SQLite
 /// ledger. A config that does not load counts as SQLite: serving it reports the error.
 pub fn sqlite_ledger(config: Option<&Path>, ledger: Option<&Path>) -> bool {

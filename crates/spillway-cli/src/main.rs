@@ -294,7 +294,7 @@ struct ServeArgs {
     show_admin_token: bool,
     /// Threads serving requests. Default: one per core, but one fewer with a SQLite
     /// ledger, whose writer thread gets that core (at least one).
-    #[arg(long, env = "SPILLWAY_WORKERS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    #[arg(long, env = "SPILLWAY_WORKERS", value_parser = launch::parse_workers)]
     workers: Option<u16>,
 }
 

@@ -53,29 +53,9 @@ pub(crate) const ROWS_PER_STATEMENT: usize = 128;
 /// reuses one of these few prepared statements instead of compiling its own (the trigger
 /// makes compiling a batch cost about as much as running it). Padding costs a batch at
 /// most a third of its rows, and only as unbound parameters, which SQLite reads as NULL.
+#[rustfmt::skip]
 const SIZE_CLASSES: [usize; 22] = [
-    1,
-    2,
-    3,
-    4,
-    5,
-    6,
-    7,
-    8,
-    9,
-    10,
-    11,
-    12,
-    13,
-    14,
-    15,
-    16,
-    24,
-    32,
-    48,
-    64,
-    96,
-    ROWS_PER_STATEMENT,
+    1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 24, 32, 48, 64, 96, ROWS_PER_STATEMENT,
 ];
 
 /// The index in [`SIZE_CLASSES`] of the smallest class that holds `rows` (1..=ROWS_PER_STATEMENT).
@@ -427,11 +407,6 @@ pub(crate) fn columns(list: &str) -> impl Iterator<Item = &str> {
     list.split(',').map(str::trim)
 }
 
-/// The writer connection's own view that a whole batch is inserted into, as one
-/// statement: its trigger upserts each request row and inserts each attempt row. A
-/// batch of several statements (requests, attempts, BEGIN and COMMIT) cost a wake-up of
-/// the writer task per statement, each from sqlx's worker thread; one statement costs
-/// one. It commits (and syncs) in autocommit, all rows or none.
 /// Values a batch row binds: its kind and every column of the three row kinds.
 pub(crate) const fn row_width() -> usize {
     1 + REQUEST_WIDTH + ATTEMPT_WIDTH + PAYLOAD_WIDTH
@@ -454,6 +429,11 @@ pub(crate) const REQUEST_WIDTH: usize = width(REQUEST_COLUMNS);
 pub(crate) const ATTEMPT_WIDTH: usize = width(ATTEMPT_COLUMNS);
 pub(crate) const PAYLOAD_WIDTH: usize = width(PAYLOAD_COLUMNS);
 
+/// The writer connection's own view that a whole batch is inserted into, as one
+/// statement: its trigger upserts each request row and inserts each attempt row. A
+/// batch of several statements (requests, attempts, BEGIN and COMMIT) cost a wake-up of
+/// the writer task per statement, each from sqlx's worker thread; one statement costs
+/// one. It commits (and syncs) in autocommit, all rows or none.
 static BATCH_VIEW: LazyLock<String> = LazyLock::new(|| {
     let names: Vec<String> = std::iter::once("kind".to_owned())
         .chain(columns(REQUEST_COLUMNS).map(|c| format!("r_{c}")))
@@ -496,7 +476,6 @@ fn nulls(args: &mut SqliteArguments, n: usize) {
 /// The arguments of one batch statement for `rows`, in the view's column order. The
 /// padding rows of its size class are left unbound (NULL, so of no kind).
 fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
-    let (requests, attempts, payloads) = (REQUEST_WIDTH, ATTEMPT_WIDTH, PAYLOAD_WIDTH);
     let mut args = SqliteArguments::default();
     args.reserve(rows.len() * row_width(), 0);
     for row in rows {
@@ -504,17 +483,17 @@ fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
             BatchRow::Request(r) => {
                 put(&mut args, "r");
                 bind_request(&mut args, r);
-                nulls(&mut args, attempts + payloads);
+                nulls(&mut args, ATTEMPT_WIDTH + PAYLOAD_WIDTH);
             }
             BatchRow::Attempt(a) => {
                 put(&mut args, "a");
-                nulls(&mut args, requests);
+                nulls(&mut args, REQUEST_WIDTH);
                 bind_attempt(&mut args, a);
-                nulls(&mut args, payloads);
+                nulls(&mut args, PAYLOAD_WIDTH);
             }
             BatchRow::Payload(p) => {
                 put(&mut args, "p");
-                nulls(&mut args, requests + attempts);
+                nulls(&mut args, REQUEST_WIDTH + ATTEMPT_WIDTH);
                 let r = p.response.as_ref();
                 put(&mut args, p.request_id.as_str());
                 put(&mut args, p.expires_at.0);
