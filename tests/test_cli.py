@@ -84,6 +84,12 @@ def test_serve_leaves_a_core_to_the_ledger_and_takes_workers_from_the_command_li
     try:
         assert runtime_workers(gw.url) == max(1, cores() - 1)
         assert _answers(gw)
+        # The allocator (mimalloc) turned transparent huge pages off for the process, as
+        # CFLAGS in .cargo/config.toml asks: where the kernel has them `always` on, its
+        # 2 MiB-aligned arenas would be backed by them (idle RSS 19 -> 34 MiB).
+        with open(f"/proc/{gw.proc.pid}/status") as f:
+            thp = [line.split()[1] for line in f if line.startswith("THP_enabled:")]
+        assert thp in ([], ["0"]), thp
     finally:
         stop(gw.proc)
     # Asked for: three, whatever the cores.
