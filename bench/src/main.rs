@@ -779,13 +779,12 @@ struct Verdict {
     met: bool,
     measured: String,
     limit: String,
-    /// The least this machine lets the measure be while every request waits for a synced
-    /// commit before its upstream call (I3), and what it is made of.
+    /// What this machine's disk puts under the measure, since every request waits for a
+    /// synced commit before its upstream call (I3), and what that floor is made of.
     #[serde(skip_serializing_if = "Option::is_none")]
     floor: Option<String>,
-    /// The floor is past the limit: no gateway that keeps I3's durable write can meet the
-    /// target on this disk, however little else it does.
-    out_of_reach: bool,
+    /// Missed, with the floor itself past the limit: the disk alone accounts for the miss.
+    under_floor: bool,
 }
 
 /// Spillway at a fixed rate with an `Idempotency-Key` on every request (I2), beside the
@@ -986,23 +985,26 @@ fn mib(kib: Option<u64>) -> String {
 }
 
 /// What the disk under `target/` takes to make a 4 KiB rewrite durable, as a WAL commit
-/// does: its time, which every request waits for once before its upstream call (I3), and
-/// the CPU it costs the syncing thread (in a VM each sync is a trap to the host, which the
-/// guest sees as CPU time). These are the floors the durable ledger puts under the
-/// latency and CPU targets on this machine.
+/// does, one sync a millisecond (as lone requests bring them): its time, which every
+/// request waits for once before its upstream call (I3), and the CPU it costs the syncing
+/// thread (in a VM each sync traps to the host, which the guest sees as CPU time).
 #[derive(Serialize, Clone, Copy)]
 struct DiskSync {
     p50_us: u64,
     p99_us: u64,
-    /// Thread CPU per sync, µs: the loop with syncs less the same loop without.
-    cpu_us: f64,
+    /// Thread CPU per sync, µs: the loop with syncs less the same loop without; None where
+    /// the kernel keeps no per-thread CPU time.
+    cpu_us: Option<f64>,
 }
 
 /// This thread's CPU time so far, ns (`/proc/thread-self/schedstat`), or None where the
-/// kernel does not keep it.
+/// kernel does not keep it (no file, or zeros with schedstats off).
 fn thread_cpu_ns() -> Option<u64> {
+    // A running thread's count is brought up to date only at a tick or a switch: yield so
+    // that a loop that never blocked is counted whole.
+    std::thread::yield_now();
     let s = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    s.split_whitespace().next()?.parse().ok()
+    s.split_whitespace().next()?.parse().ok().filter(|&ns| ns > 0)
 }
 
 fn disk_sync(samples: usize) -> Result<DiskSync> {
@@ -1013,31 +1015,31 @@ fn disk_sync(samples: usize) -> Result<DiskSync> {
     f.write_all(&block)?;
     f.sync_all()?;
     let mut times = Vec::with_capacity(samples);
-    let cpu0 = thread_cpu_ns();
-    for _ in 0..samples {
-        f.seek(SeekFrom::Start(0))?;
-        f.write_all(&block)?;
-        let t = Instant::now();
-        f.sync_data()?;
-        times.push(t.elapsed().as_micros() as u64);
-    }
-    let cpu1 = thread_cpu_ns();
-    for _ in 0..samples {
-        f.seek(SeekFrom::Start(0))?;
-        f.write_all(&block)?;
-    }
-    let cpu2 = thread_cpu_ns();
-    let cpu_us = match (cpu0, cpu1, cpu2) {
-        (Some(a), Some(b), Some(c)) => {
-            (b.saturating_sub(a).saturating_sub(c.saturating_sub(b))) as f64 / 1e3 / samples as f64
+    // The same paced loop twice, with and without the sync, so that the sleeps' own CPU
+    // cancels out.
+    let mut paced = |sync: bool, times: &mut Vec<u64>| -> Result<Option<u64>> {
+        let cpu0 = thread_cpu_ns();
+        for _ in 0..samples {
+            f.seek(SeekFrom::Start(0))?;
+            f.write_all(&block)?;
+            if sync {
+                let t = Instant::now();
+                f.sync_data()?;
+                times.push(t.elapsed().as_micros() as u64);
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
-        _ => 0.0,
+        Ok(thread_cpu_ns().zip(cpu0).map(|(b, a)| b.saturating_sub(a)))
     };
+    let with = paced(true, &mut times)?;
+    let without = paced(false, &mut Vec::new())?;
     times.sort_unstable();
     Ok(DiskSync {
         p50_us: times[times.len() / 2],
         p99_us: times[times.len() * 99 / 100],
-        cpu_us,
+        cpu_us: with
+            .zip(without)
+            .map(|(w, o)| w.saturating_sub(o) as f64 / 1e3 / samples as f64),
     })
 }
 
@@ -1092,14 +1094,22 @@ fn verdict(target: String, measured: f64, limit: f64, show: impl Fn(f64) -> Stri
         measured: show(measured),
         limit: format!("{} {}", if floor { "≥" } else { "≤" }, show(limit)),
         floor: None,
-        out_of_reach: false,
+        under_floor: false,
     }
 }
 
 /// An upper-bounded verdict with the floor under its measure: `floor` in the measure's
-/// unit, `why` what it is made of.
-fn with_floor(mut v: Verdict, floor: f64, limit: f64, show: impl Fn(f64) -> String, why: String) -> Verdict {
-    v.out_of_reach = floor > limit;
+/// unit, `why` what it is made of. Only a measure that itself missed the limit is blamed
+/// on the floor (a 5,000 req/s line can miss on failures alone).
+fn with_floor(
+    mut v: Verdict,
+    measured: f64,
+    floor: f64,
+    limit: f64,
+    show: impl Fn(f64) -> String,
+    why: String,
+) -> Verdict {
+    v.under_floor = measured > limit && floor > limit;
     v.floor = Some(format!("floor {}: {why}", show(floor)));
     v
 }
@@ -1123,7 +1133,7 @@ fn verdict_line(v: &Verdict, measured: f64, limit: f64) -> String {
             "—".into()
         };
         let floor = match &v.floor {
-            Some(f) if v.out_of_reach => format!("; OUT OF REACH on this disk, {f}"),
+            Some(f) if v.under_floor => format!("; the limit is under this machine's {f}"),
             Some(f) => format!("; {f}"),
             None => String::new(),
         };
@@ -1526,10 +1536,10 @@ async fn main() -> Result<()> {
         );
     }
     println!(
-        "disk fsync (4 KiB, under target/): p50 {}, p99 {}, {:.0} µs of CPU each",
+        "disk fsync (4 KiB, under target/, one a millisecond): p50 {}, p99 {}, {} of CPU each",
         us(sync.p50_us),
         us(sync.p99_us),
-        sync.cpu_us
+        sync.cpu_us.map_or("?".to_owned(), |c| format!("{c:.0} µs"))
     );
 
     if let Some(f) = &failover {
@@ -1638,15 +1648,17 @@ async fn main() -> Result<()> {
     // A forwarder's added p99 within the noise of zero would make any limit on a multiple
     // of it meaningless; 100 µs is the least it is taken as.
     const P99_FLOOR_US: f64 = 100.0;
-    // Every request waits for one synced commit before its upstream call (I3), so its
-    // added latency's tail is at least the disk's own.
-    let sync_floor = |v: Verdict, limit: f64| {
+    // Every request waits for one whole synced commit before its upstream call (I3), so
+    // its added latency's tail is not expected below the disk's own. An estimate, not a
+    // bound: the added p99 is a difference of two p99s, not the p99 of what was added.
+    let sync_floor = |v: Verdict, measured: f64, limit: f64| {
         with_floor(
             v,
+            measured,
             sync.p99_us as f64,
             limit,
             usf,
-            "the disk's own sync p99, which every request waits for once".into(),
+            "the disk's sync p99, which every request waits for once (an estimate)".into(),
         )
     };
     for r in rows.iter().filter(|r| r.kind == "non-streaming") {
@@ -1661,21 +1673,20 @@ async fn main() -> Result<()> {
                     show,
                     false,
                 );
-                // Any gateway does at least the forwarder's HTTP work, and each commit the
-                // requests waited for cost one sync's CPU on top (group commit already
-                // shares each among the requests that were waiting together).
-                if let Some(c) = r.spillway.ledger_commits
-                    && sync.cpu_us > 0.0
-                {
+                // The gateway does at least the forwarder's HTTP work, and each of its
+                // ledger commits in the phase costs one sync's CPU on top: a floor for its
+                // commit rate (group commit already shares a commit among the requests
+                // waiting together; only waiting for company would share more).
+                if let (Some(c), Some(cpu)) = (r.spillway.ledger_commits, sync.cpu_us) {
                     let per = c.commits as f64 / (rate * (secs + 1)) as f64;
                     v = with_floor(
                         v,
-                        f + per * sync.cpu_us,
+                        g,
+                        f + per * cpu,
                         2.0 * f,
                         show,
                         format!(
-                            "the forwarder's {f:.0} µs + {per:.2} synced commits per request × {:.0} µs of CPU per sync",
-                            sync.cpu_us
+                            "the forwarder's {f:.0} µs + {per:.2} ledger commits per request × {cpu:.0} µs of CPU per sync"
                         ),
                     );
                 }
@@ -1703,7 +1714,7 @@ async fn main() -> Result<()> {
                 usf,
                 false,
             );
-            judge(sync_floor(with_commits(v, r), limit), m, limit);
+            judge(sync_floor(with_commits(v, r), m, limit), m, limit);
         } else {
             // Sustained: nothing failed, the answers kept pace with the offered rate, and the
             // generator itself kept its schedule (else the rate was never offered).
@@ -1727,7 +1738,7 @@ async fn main() -> Result<()> {
                 us(r.spillway.lat.send_lag_p99_us),
                 v.measured
             );
-            judge(sync_floor(with_commits(v, r), limit), m, limit);
+            judge(sync_floor(with_commits(v, r), m, limit), m, limit);
         }
     }
     for r in rows.iter().filter(|r| r.kind == "streaming TTFT") {
@@ -1739,7 +1750,7 @@ async fn main() -> Result<()> {
             usf,
             false,
         );
-        judge(sync_floor(with_commits(v, r), 1000.0), m, 1000.0);
+        judge(sync_floor(with_commits(v, r), m, 1000.0), m, 1000.0);
     }
     let (m, limit) = (closed_loop.spillway_rps, 0.5 * closed_loop.forwarder_rps);
     judge(
@@ -1810,15 +1821,15 @@ async fn main() -> Result<()> {
         println!("{l}");
     }
     let missed = verdicts.iter().filter(|v| !v.met).count();
-    let out_of_reach = verdicts.iter().filter(|v| !v.met && v.out_of_reach).count();
+    let under_floor = verdicts.iter().filter(|v| !v.met && v.under_floor).count();
     println!(
         "verdict: {} of {} targets met{}",
         verdicts.len() - missed,
         verdicts.len(),
-        match (missed, out_of_reach) {
+        match (missed, under_floor) {
             (0, _) => String::new(),
             (_, 0) => " (see the MISSED lines)".into(),
-            (_, n) => format!(" (see the MISSED lines; {n} of them OUT OF REACH on this disk)"),
+            (_, n) => format!(" (see the MISSED lines; {n} of them with a limit under this machine's floor)"),
         }
     );
 

@@ -383,6 +383,12 @@ async fn sim(scenario: Option<PathBuf>, listen: SocketAddr) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    // mimalloc's arenas are 2 MiB aligned, so a kernel with transparent huge pages `always`
+    // on backs them with huge pages: idle RSS 34 MiB instead of 20. The gateway's memory is
+    // many small objects, which huge pages only inflate. A kernel without THP refuses the
+    // call, and then there is nothing to turn off.
+    #[cfg(target_os = "linux")]
+    let _ = rustix::thread::disable_transparent_huge_pages(true);
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
