@@ -783,7 +783,7 @@ struct Verdict {
     /// synced commit before its upstream call (I3), and what that floor is made of.
     #[serde(skip_serializing_if = "Option::is_none")]
     floor: Option<String>,
-    /// Missed, with the floor itself past the limit: the disk alone accounts for the miss.
+    /// Missed, with the floor itself past the limit: the floor alone accounts for the miss.
     under_floor: bool,
 }
 

@@ -9,9 +9,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// mimalloc rather than glibc's malloc: a request allocates and frees a few hundred small
-/// objects, many of them freed on another thread (records handed to the ledger's), and
-/// glibc spent a tenth of the gateway's CPU on that at 2,000 req/s (see the commit).
+/// mimalloc rather than glibc's malloc: a request allocates and frees many small objects,
+/// some on another thread than made them (records handed to the ledger's), and glibc
+/// spent a tenth of the gateway's CPU on that at 2,000 req/s (see the commit).
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
