@@ -68,7 +68,7 @@ fn size_class(rows: usize) -> usize {
 fn batch_sql(class: usize) -> &'static str {
     static TEXTS: [OnceLock<String>; SIZE_CLASSES.len()] = [const { OnceLock::new() }; SIZE_CLASSES.len()];
     TEXTS[class].get_or_init(|| {
-        let row = format!("({})", vec!["?"; row_width()].join(", "));
+        let row = format!("({})", vec!["?"; ROW_WIDTH].join(", "));
         format!(
             "INSERT INTO ledger_batch VALUES {}",
             vec![row; SIZE_CLASSES[class]].join(", ")
@@ -407,11 +407,6 @@ pub(crate) fn columns(list: &str) -> impl Iterator<Item = &str> {
     list.split(',').map(str::trim)
 }
 
-/// Values a batch row binds: its kind and every column of the three row kinds.
-pub(crate) const fn row_width() -> usize {
-    1 + REQUEST_WIDTH + ATTEMPT_WIDTH + PAYLOAD_WIDTH
-}
-
 /// Columns in a comma-separated list, counted when compiling: the batch builders need
 /// them per row.
 pub(crate) const fn width(list: &str) -> usize {
@@ -428,6 +423,8 @@ pub(crate) const fn width(list: &str) -> usize {
 pub(crate) const REQUEST_WIDTH: usize = width(REQUEST_COLUMNS);
 pub(crate) const ATTEMPT_WIDTH: usize = width(ATTEMPT_COLUMNS);
 pub(crate) const PAYLOAD_WIDTH: usize = width(PAYLOAD_COLUMNS);
+/// Values a batch row binds: its kind and every column of the three row kinds.
+pub(crate) const ROW_WIDTH: usize = 1 + REQUEST_WIDTH + ATTEMPT_WIDTH + PAYLOAD_WIDTH;
 
 /// The writer connection's own view that a whole batch is inserted into, as one
 /// statement: its trigger upserts each request row and inserts each attempt row. A
@@ -477,7 +474,7 @@ fn nulls(args: &mut SqliteArguments, n: usize) {
 /// padding rows of its size class are left unbound (NULL, so of no kind).
 fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
     let mut args = SqliteArguments::default();
-    args.reserve(rows.len() * row_width(), 0);
+    args.reserve(rows.len() * ROW_WIDTH, 0);
     for row in rows {
         match row {
             BatchRow::Request(r) => {
@@ -506,7 +503,7 @@ fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
     }
     // Every value above encodes infallibly; one that did not would shift the rest of its
     // row into the wrong columns.
-    debug_assert_eq!(args.len(), rows.len() * row_width());
+    debug_assert_eq!(args.len(), rows.len() * ROW_WIDTH);
     args
 }
 
@@ -2305,7 +2302,7 @@ mod tests {
             );
         }
         assert_eq!(SIZE_CLASSES[size_class(ROWS_PER_STATEMENT)], ROWS_PER_STATEMENT);
-        assert_eq!(batch_sql(size_class(3)).matches('?').count(), 3 * row_width());
+        assert_eq!(batch_sql(size_class(3)).matches('?').count(), 3 * ROW_WIDTH);
         for (list, w) in [
             (REQUEST_COLUMNS, REQUEST_WIDTH),
             (ATTEMPT_COLUMNS, ATTEMPT_WIDTH),

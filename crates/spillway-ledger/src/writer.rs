@@ -2203,7 +2203,7 @@ mod tests {
             // nothing, and a batch over one statement's rows must still write all of its own.
             // PostgreSQL has its own limit on a statement's bound values: the same batches.
             if db.kind == Kind::Sqlite {
-                let width = crate::sqlite::row_width();
+                let width = crate::sqlite::ROW_WIDTH;
                 assert!(
                     crate::sqlite::ROWS_PER_STATEMENT * width <= 32766,
                     "a full statement of {width}-value rows binds more than SQLite allows"
