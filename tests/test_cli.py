@@ -44,6 +44,27 @@ def test_missing_env_secret_is_an_error_not_a_default(tmp_path):
     assert "NOT_SET_ANYWHERE is not set" in r.stderr
 
 
+def test_a_failed_command_says_what_is_wrong_once_and_without_a_backtrace(tmp_path):
+    # A developer's shell often has RUST_BACKTRACE set; an operator must still see one
+    # clear message (file, line, field), not a "Caused by" echo and a symbolised stack.
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        "channels:\n  - {name: a, format: openai, base_url: 'http://127.0.0.1:1', models: [m], api_key_env: NOT_SET_ANYWHERE}\n")
+    for command in (["check", "--config", str(cfg)], ["serve", "--config", str(cfg)]):
+        r = subprocess.run([str(BIN), *command], capture_output=True, text=True,
+                           env=clean_env(RUST_BACKTRACE="1", RUST_LIB_BACKTRACE="1"), timeout=20)
+        assert r.returncode == 1, r.stderr
+        errors = [line for line in r.stderr.splitlines() if "NOT_SET_ANYWHERE is not set" in line]
+        assert len(errors) == 1, r.stderr
+        assert f"{cfg}:2:" in errors[0] and "channels[0].api_key_env" in errors[0], r.stderr
+        assert "backtrace" not in r.stderr.lower() and "Caused by" not in r.stderr, r.stderr
+        assert "\nerror: " in "\n" + r.stderr, r.stderr
+    r = subprocess.run([str(BIN), "check", "--config", str(tmp_path / "missing.yaml")], capture_output=True, text=True,
+                       env=clean_env(RUST_BACKTRACE="1"), timeout=20)
+    assert r.returncode == 1
+    assert r.stderr.count("missing.yaml") == 1 and "No such file" in r.stderr, r.stderr
+
+
 def test_embedded_default_with_demo_traffic(tmp_path):
     # spec: P1
     data = tmp_path / "data"

@@ -382,7 +382,34 @@ async fn sim(scenario: Option<PathBuf>, listen: SocketAddr) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
+/// An error as an operator reads it: the message, then each cause it does not already
+/// quote, and no backtrace. Returning the error from `main` would print its `Debug` form,
+/// which repeats a quoted cause under "Caused by" and, with `RUST_BACKTRACE` set in a
+/// developer's shell, buries the one line that matters under a symbolised stack (and
+/// takes ~100 MiB to symbolise it).
+fn report(e: &anyhow::Error) -> String {
+    let mut out = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !out.contains(&cause) {
+            out.push_str(": ");
+            out.push_str(&cause);
+        }
+    }
+    out
+}
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", report(&e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
     // mimalloc's arenas are 2 MiB aligned, so a kernel with transparent huge pages `always`
     // on backs them with huge pages: idle RSS 34 MiB instead of 20. The gateway's memory is
     // many small objects, which huge pages only inflate. A kernel without THP refuses the
