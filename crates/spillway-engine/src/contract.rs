@@ -162,5 +162,5 @@ pub fn estimate(st: &AppState, model: &str, j: &JobRecord) -> Option<f64> {
         output: j.estimated_output_tokens.unwrap_or(0),
         ..Default::default()
     };
-    Some(p.cost(&t).usd)
+    Some(p.usd(&t))
 }

@@ -217,11 +217,7 @@ impl Life {
                 output,
                 ..Default::default()
             };
-            self.rec.estimated_cost_usd = Some(if self.api == Api::CountTokens {
-                0.0
-            } else {
-                p.cost(&t).usd
-            });
+            self.rec.estimated_cost_usd = Some(if self.api == Api::CountTokens { 0.0 } else { p.usd(&t) });
             self.rec.pricing_version = Some(pricing.version.clone());
         }
         self.pricing = Some(pricing);
@@ -247,7 +243,7 @@ impl Life {
             output_tokens: att.output_tokens,
             ..Default::default()
         };
-        Some(self.price()?.cost(&u.billable(self.rec.format)?).usd)
+        Some(self.price()?.usd(&u.billable(self.rec.format)?))
     }
 
     /// M1–M3: the final attempt's tokens become its cost and the request's (failed
@@ -262,7 +258,7 @@ impl Life {
             return;
         };
         let failed = self.failed_cost;
-        let cost = usage.billable(self.rec.format).map(|b| price.cost(&b).usd);
+        let cost = usage.billable(self.rec.format).map(|b| price.usd(&b));
         att.cost_usd = cost;
         self.rec.cost_usd = cost.map(|c| c + failed);
         self.rec.failed_cost_usd = Some(failed);

@@ -112,14 +112,18 @@ fn day_number(date: &str) -> Option<i64> {
 }
 
 impl Rates {
-    fn cost(&self, t: &Billable) -> Cost {
+    fn usd(&self, t: &Billable) -> f64 {
         let per = |n: u64, rate: f64| n as f64 * rate / 1_000_000.0;
+        per(t.input, self.input)
+            + per(t.cached_input, self.cached_input.unwrap_or(self.input))
+            + per(t.cache_write, self.cache_write.unwrap_or(self.input))
+            + per(t.output, self.output)
+    }
+
+    fn cost(&self, t: &Billable) -> Cost {
         let cached = self.cached_input.unwrap_or(self.input);
         let write = self.cache_write.unwrap_or(self.input);
-        let usd = per(t.input, self.input)
-            + per(t.cached_input, cached)
-            + per(t.cache_write, write)
-            + per(t.output, self.output);
+        let usd = self.usd(t);
         let mut parts = vec![format!("{} input × ${}/M", t.input, self.input)];
         if t.cached_input > 0 {
             parts.push(format!("{} cached × ${cached}/M", t.cached_input));
@@ -145,6 +149,16 @@ impl ModelPrice {
                 c
             }
             _ => self.rates.cost(t),
+        }
+    }
+
+    /// [`ModelPrice::cost`]'s figure alone: the request path prices every request up to
+    /// three times and never shows the breakdown, whose number formatting costs more than
+    /// the sum.
+    pub fn usd(&self, t: &Billable) -> f64 {
+        match &self.long_context {
+            Some((above, rates)) if t.total_input() > *above => rates.usd(t),
+            _ => self.rates.usd(t),
         }
     }
 
@@ -386,6 +400,15 @@ mod tests {
         let want = (150_000.0 * 6.0 + 60_000.0 * 0.6 + 1_000.0 * 22.5) / 1e6;
         assert!((c.usd - want).abs() < 1e-12, "{} vs {want}", c.usd);
         assert!(c.breakdown.ends_with("(prompt above 200000 tokens)"), "{}", c.breakdown);
+        // The request path's figure without the breakdown is the same figure.
+        for (model, t) in [
+            ("m-cheap", b(1_000, 4_000, 0, 500)),
+            ("claude-x", b(100, 10_000, 2_000, 300)),
+            ("claude-x", b(150_000, 60_000, 0, 1_000)),
+        ] {
+            let m = p.price(model).unwrap();
+            assert_eq!(m.usd(&t).to_bits(), m.cost(&t).usd.to_bits(), "{model}");
+        }
     }
 
     #[test]
