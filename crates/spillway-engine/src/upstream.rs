@@ -256,8 +256,8 @@ impl Caller for HttpCaller {
                 return failed(att, s);
             }
         };
-        // One parse serves both the classification and the usage.
-        let json: Option<Value> = serde_json::from_slice(&body).ok();
+        // One parse serves the classification, the usage and the id.
+        let json: Option<Value> = spillway_wire::answer_json(&body);
         let signal = classify_parsed(
             format,
             status.as_u16(),

@@ -16,8 +16,8 @@ pub use error_body::{ErrorKind, error_body, stream_error_event};
 pub use format::Format;
 pub use request::{Api, ParsedRequest, RequestError, parse_request};
 pub use signal::{
-    ErrorClass, RateLimitState, Signal, Visibility, classify_parsed, classify_stream_error, parse_retry_after,
-    rate_limit_state,
+    ErrorClass, RateLimitState, Signal, Visibility, answer_json, classify_parsed, classify_stream_error,
+    parse_retry_after, rate_limit_state,
 };
 pub use sse::{SseEvent, SseParser};
 pub use time::UnixMs;

@@ -6,6 +6,7 @@ use crate::Format;
 use crate::time::UnixMs;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 /// The E2 class of an outcome, which decides what happens next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -225,8 +226,74 @@ pub fn classify_response(
     body: &[u8],
     now: UnixMs,
 ) -> Signal {
-    let json: Option<Value> = serde_json::from_slice(body).ok();
+    let json = answer_json(body);
     classify_parsed(format, status, header, json.as_ref(), body.is_empty(), now)
+}
+
+/// The top-level members of a provider's JSON answer that the gateway reads: the error
+/// ([`classify_parsed`]), the usage ([`Usage::from_json`]: `usage`, `usageMetadata`, and
+/// the `response` and `message` that stream events nest it in) and the Responses API's
+/// `id`. The rest is checked but never built.
+///
+/// [`Usage::from_json`]: crate::Usage::from_json
+#[derive(Deserialize)]
+struct Skim<'a> {
+    #[serde(borrow, default, deserialize_with = "member")]
+    error: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "member")]
+    usage: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "member", rename = "usageMetadata")]
+    usage_metadata: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "member")]
+    response: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "member")]
+    message: Option<&'a RawValue>,
+    #[serde(borrow, default, deserialize_with = "member")]
+    id: Option<&'a RawValue>,
+}
+
+/// A member as written, `null` included (an `Option` alone would read `null` as absent,
+/// where the whole parse keeps it).
+fn member<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
+}
+
+/// A whole answer's body as [`classify_parsed`] and [`Usage::from_json`] read it: `None`
+/// when it is not JSON, else an object holding only the members they read (see
+/// `Skim`). Parsing the whole body into a [`Value`] built every choice, message and
+/// string of the answer only to drop it: about 3 % of the gateway's CPU per request, more
+/// for long answers.
+///
+/// Whatever the skim cannot vouch for as the full parse would (a body that is not an
+/// object, a repeated member, bytes that are not UTF-8) is parsed in full instead, so
+/// the two agree on every body but one kind: JSON whose unread members hold a number
+/// past `f64` or a lone UTF-16 surrogate escape. The full parse refused those; they are
+/// valid JSON (RFC 8259), the clients' parsers take them, and an answer is not malformed
+/// for a member the gateway never reads.
+///
+/// [`Usage::from_json`]: crate::Usage::from_json
+pub fn answer_json(body: &[u8]) -> Option<Value> {
+    let object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    if object
+        && std::str::from_utf8(body).is_ok()
+        && let Ok(skim) = serde_json::from_slice::<Skim<'_>>(body)
+    {
+        let mut out = serde_json::Map::new();
+        for (name, raw) in [
+            ("error", skim.error),
+            ("usage", skim.usage),
+            ("usageMetadata", skim.usage_metadata),
+            ("response", skim.response),
+            ("message", skim.message),
+            ("id", skim.id),
+        ] {
+            if let Some(raw) = raw {
+                out.insert(name.to_owned(), serde_json::from_str(raw.get()).ok()?);
+            }
+        }
+        return Some(Value::Object(out));
+    }
+    serde_json::from_slice(body).ok()
 }
 
 /// [`classify_response`] for a body the caller has parsed already (its usage is read from
@@ -465,6 +532,78 @@ pub fn classify_stream_error(format: Format, error: &Value) -> Signal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn e1_the_skimmed_answer_reads_as_the_whole_parse() {
+        // spec: E1
+        let bodies: Vec<&[u8]> = vec![
+            br#"{"id":"chatcmpl-1","object":"chat.completion","model":"gpt-4o-mini","choices":[{"index":0,"message":{"role":"assistant","content":"Hi \u00e9 \ud83d\ude00"},"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15,"prompt_tokens_details":{"cached_tokens":4},"completion_tokens_details":{"reasoning_tokens":1}}}"#,
+            br#"{"id":"resp_1","object":"response","output":[{"type":"message","content":[{"type":"output_text","text":"x"}]}],"usage":{"input_tokens":9,"output_tokens":2,"input_tokens_details":{"cached_tokens":0}}}"#,
+            br#"{"type":"response.completed","response":{"id":"resp_2","usage":{"input_tokens":5,"output_tokens":6}}}"#,
+            br#"{"object":"list","data":[{"embedding":[0.1,-2e-3,3]}],"usage":{"prompt_tokens":4,"total_tokens":4}}"#,
+            br#"{"id":"msg_1","type":"message","role":"assistant","content":[{"type":"text","text":"hello"}],"stop_reason":"end_turn","usage":{"input_tokens":20,"output_tokens":4,"cache_read_input_tokens":10,"cache_creation_input_tokens":2}}"#,
+            br#"{"type":"message_start","message":{"id":"msg_2","usage":{"input_tokens":7,"output_tokens":1}}}"#,
+            br#"{"candidates":[{"content":{"parts":[{"text":"hi"}]},"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":8,"candidatesTokenCount":3,"thoughtsTokenCount":2,"cachedContentTokenCount":1}}"#,
+            br#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#,
+            br#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#,
+            br#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
+            br#"{"error":{"code":429,"message":"Quota exceeded","status":"RESOURCE_EXHAUSTED","details":[{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"7s"}]}}"#,
+            br#"{"error":null,"usage":null,"id":null}"#,
+            br#"{"usage":"12","id":7,"error":"boom"}"#,
+            br#"  {"usage":{"prompt_tokens":1}} "#,
+            br#"{"usage":{"prompt_tokens":1},"usage":{"prompt_tokens":2}}"#,
+            br#"{"id":"a","ID":"b","Usage":{"prompt_tokens":3}}"#,
+            br#"{}"#,
+            br#"[{"usage":{"prompt_tokens":1}}]"#,
+            br#"null"#,
+            br#"42"#,
+            br#""text""#,
+            b"",
+            b"   ",
+            br#"{"usage":{"prompt_tokens":1}"#,
+            br#"{"usage":{"prompt_tokens":1}} trailing"#,
+            br#"{"choices":[1,2,]}"#,
+            br#"{"choices":"unterminated}"#,
+            br#"<html><body>502 Bad Gateway</body></html>"#,
+            b"{\"choices\":\"\xff\xfe\",\"usage\":{\"prompt_tokens\":1}}",
+            b"\xef\xbb\xbf{\"usage\":{\"prompt_tokens\":1}}",
+            br#"{"choices":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}"#,
+        ];
+        let look = headers(&[("retry-after", "3")]);
+        for body in bodies {
+            let whole: Option<Value> = serde_json::from_slice(body).ok();
+            let skimmed = answer_json(body);
+            let shown = String::from_utf8_lossy(body);
+            assert_eq!(skimmed.is_some(), whole.is_some(), "{shown}");
+            for format in [Format::OpenAi, Format::Anthropic, Format::Gemini] {
+                for status in [200, 400, 402, 429, 500, 503, 529] {
+                    assert_eq!(
+                        classify_parsed(format, status, &look, skimmed.as_ref(), body.is_empty(), now()),
+                        classify_parsed(format, status, &look, whole.as_ref(), body.is_empty(), now()),
+                        "{shown} {format:?} {status}"
+                    );
+                }
+                if let (Some(s), Some(w)) = (&skimmed, &whole) {
+                    assert_eq!(
+                        crate::Usage::from_json(format, s),
+                        crate::Usage::from_json(format, w),
+                        "{shown}"
+                    );
+                    assert_eq!(s.get("id"), w.get("id"), "{shown}");
+                }
+            }
+        }
+        // The one leniency: members the gateway never reads may hold what serde_json
+        // will not build, and the answer is still an answer.
+        for body in [
+            br#"{"choices":[{"logprob":1e400}],"usage":{"prompt_tokens":5}}"#.as_slice(),
+            br#"{"choices":[{"content":"\ud800"}],"usage":{"prompt_tokens":5}}"#.as_slice(),
+        ] {
+            assert!(serde_json::from_slice::<Value>(body).is_err());
+            let v = answer_json(body).expect("valid JSON");
+            assert_eq!(crate::Usage::from_json(Format::OpenAi, &v).input_tokens, Some(5));
+        }
+    }
 
     fn headers(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> + use<> {
         let v: Vec<(String, String)> = pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
