@@ -425,7 +425,7 @@ pub(crate) async fn read_body(body: Body, limit: u64, deadline: Duration) -> Res
     }
 }
 
-async fn handle<C: Caller>(
+pub(crate) async fn handle<C: Caller>(
     st: Arc<AppState>,
     caller: Arc<C>,
     format: Format,
@@ -601,7 +601,9 @@ async fn handle<C: Caller>(
             model: parsed.model.clone(),
             idempotency_key,
         };
-        return crate::jobs::submit(&st, life, sub).await;
+        // Boxed: inline, its state (larger than the rest of this handler's) would be
+        // reserved in every request's, though few requests become jobs.
+        return Box::pin(crate::jobs::submit(&st, life, sub)).await;
     }
     // I2: a repeat of an `Idempotency-Key` is answered from the ledger and sends nothing
     // upstream; a new key is claimed by this request.

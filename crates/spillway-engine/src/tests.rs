@@ -2210,3 +2210,27 @@ async fn o1_the_gate_pauses_caps_and_frees_only_its_own_places() {
     route.set_gate(None);
     assert!(!route.retries_held() && !route.jobs_held());
 }
+
+#[tokio::test]
+async fn a_request_in_flight_holds_a_few_kib_of_state() {
+    // Every request in flight holds its handler's state, sized for the largest thing
+    // it may await; a thousand streams waiting for their first token hold a thousand.
+    // Closing and job submission, each larger than the rest, are boxed so that they
+    // reserve nothing until they run. (`handle` is `pub(crate)` for this test.)
+    let (st, _) = state_with(config("", &[("a", 4)]));
+    let req = http::Request::post("/v1/chat/completions")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let handler = crate::ingress::handle(
+        st.clone(),
+        Arc::new(crate::upstream::HttpCaller),
+        Format::OpenAi,
+        spillway_wire::Api::Generate,
+        None,
+        false,
+        req,
+    );
+    let size = std::mem::size_of_val(&handler);
+    println!("request handler state: {size} bytes");
+    assert!(size < 8 * 1024, "the request handler's state is {size} bytes");
+}
