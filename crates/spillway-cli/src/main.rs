@@ -382,19 +382,21 @@ async fn sim(scenario: Option<PathBuf>, listen: SocketAddr) -> Result<()> {
     Ok(())
 }
 
-/// An error as an operator reads it: the message, then each cause it does not already
-/// quote, and no backtrace. Returning the error from `main` would print its `Debug` form,
+/// An error as an operator reads it: the message, then each cause its wrapper does not
+/// already quote, and no backtrace. Returning the error from `main` would print its `Debug` form,
 /// which repeats a quoted cause under "Caused by" and, with `RUST_BACKTRACE` set in a
 /// developer's shell, buries the one line that matters under a symbolised stack (and
 /// takes ~100 MiB to symbolise it).
 fn report(e: &anyhow::Error) -> String {
     let mut out = e.to_string();
+    let mut wrapper = out.clone();
     for cause in e.chain().skip(1) {
         let cause = cause.to_string();
-        if !out.contains(&cause) {
+        if !wrapper.contains(&cause) {
             out.push_str(": ");
             out.push_str(&cause);
         }
+        wrapper = cause;
     }
     out
 }

@@ -47,9 +47,9 @@ pub struct ChannelRt {
     pub permits: Arc<Semaphore>,
     /// Its place in rotation (D6, E2, E3).
     pub health: crate::health::Health,
-    /// `cfg.base_url` parsed once, for [`crate::upstream::upstream_url_on`]; `None` only
-    /// for a URL the config's validation would have refused, which then fails at the call
-    /// as it always did.
+    /// `cfg.base_url` parsed once ([`crate::upstream::parsed_base`]); `None` for a URL
+    /// that call-time parsing handles instead (one the config's validation would have
+    /// refused, or whose path keeps a trailing slash).
     pub base: Option<reqwest::Url>,
 }
 
@@ -67,7 +67,7 @@ impl ChannelRt {
             ..Default::default()
         };
         ChannelRt {
-            base: reqwest::Url::parse(&cfg.base_url).ok(),
+            base: crate::upstream::parsed_base(&cfg.base_url),
             name: Arc::from(cfg.name.as_str()),
             permits: Arc::new(Semaphore::new(cfg.max_concurrency as usize)),
             cfg,

@@ -45,15 +45,21 @@ pub(crate) fn upstream_url(base: &str, format: Format, uri: &http::Uri) -> Strin
     }
 }
 
-/// [`upstream_url`] on the channel's base URL as parsed once ([`ChannelRt::base`]): a copy
-/// takes the request's path and query, where parsing the whole URL again (scheme, host,
-/// port) was about 2 % of the gateway's CPU per request. Same URL as [`upstream_url`]
-/// gives (see the tests).
-///
-/// [`ChannelRt::base`]: crate::state::ChannelRt::base
+/// A channel's base URL parsed once, for [`upstream_url_on`]; `None` where the parsed
+/// path ends in a slash past the root (`http://h/a//.` parses to `/a//`), which trimming
+/// would change: such a base takes [`upstream_url`]'s way.
+pub(crate) fn parsed_base(text: &str) -> Option<reqwest::Url> {
+    reqwest::Url::parse(text)
+        .ok()
+        .filter(|u| u.path() == "/" || !u.path().ends_with('/'))
+}
+
+/// [`upstream_url`] on the channel's parsed base ([`parsed_base`]): a copy takes the
+/// request's path and query, so that the scheme, host and port are not parsed again for
+/// every call. The same URL as [`upstream_url`] (see the tests).
 pub(crate) fn upstream_url_on(base: &reqwest::Url, format: Format, uri: &http::Uri) -> reqwest::Url {
     let mut url = base.clone();
-    let prefix = base.path().trim_end_matches('/');
+    let prefix = base.path().strip_suffix('/').unwrap_or(base.path());
     let mut path = String::with_capacity(prefix.len() + uri.path().len());
     path.push_str(prefix);
     path.push_str(uri.path());
@@ -329,6 +335,10 @@ mod tests {
             "http://u/p",
             "https://api.example.com/v1beta/openai",
             "http://127.0.0.1:9/a%20b",
+            "http://u/a/.",
+            "http://u/a/b/..",
+            "http://u/a//.",
+            "http://u/a/b/../c",
         ];
         let uris = [
             "/v1/chat/completions",
@@ -341,7 +351,11 @@ mod tests {
             "/v1/%7Euser/%2e%2e/x",
         ];
         for base in bases {
-            let parsed = reqwest::Url::parse(base).unwrap();
+            let Some(parsed) = parsed_base(base) else {
+                // Its parsed path keeps a trailing slash: the text's way is taken.
+                assert!(base.ends_with('.'), "{base}");
+                continue;
+            };
             for uri in uris {
                 let uri: http::Uri = uri.parse().unwrap();
                 for format in [Format::OpenAi, Format::Anthropic, Format::Gemini] {
@@ -351,7 +365,7 @@ mod tests {
             }
         }
         let uri: http::Uri = "/v1beta/models/m:generateContent?key=sk-client".parse().unwrap();
-        let url = upstream_url_on(&reqwest::Url::parse("http://u").unwrap(), Format::Gemini, &uri);
+        let url = upstream_url_on(&parsed_base("http://u").unwrap(), Format::Gemini, &uri);
         assert!(!url.as_str().contains("sk-client"), "{url}");
     }
 

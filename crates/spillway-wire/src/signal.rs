@@ -267,9 +267,10 @@ fn member<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue
 /// Whatever the skim cannot vouch for as the full parse would (a body that is not an
 /// object, a repeated member, bytes that are not UTF-8) is parsed in full instead, so
 /// the two agree on every body but one kind: JSON whose unread members hold a number
-/// past `f64` or a lone UTF-16 surrogate escape. The full parse refused those; they are
-/// valid JSON (RFC 8259), the clients' parsers take them, and an answer is not malformed
-/// for a member the gateway never reads.
+/// past `f64`, a lone UTF-16 surrogate escape or nesting deeper than serde_json builds
+/// (128; skipping is a loop, not recursion). The full parse refused those; they are
+/// valid JSON (RFC 8259), and an answer is not malformed for a member the gateway never
+/// reads.
 ///
 /// [`Usage::from_json`]: crate::Usage::from_json
 pub fn answer_json(body: &[u8]) -> Option<Value> {
@@ -567,7 +568,7 @@ mod tests {
             br#"<html><body>502 Bad Gateway</body></html>"#,
             b"{\"choices\":\"\xff\xfe\",\"usage\":{\"prompt_tokens\":1}}",
             b"\xef\xbb\xbf{\"usage\":{\"prompt_tokens\":1}}",
-            br#"{"choices":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}"#,
+            br#"{"choices":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]],"usage":{"prompt_tokens":1}}"#,
         ];
         let look = headers(&[("retry-after", "3")]);
         for body in bodies {
@@ -595,9 +596,15 @@ mod tests {
         }
         // The one leniency: members the gateway never reads may hold what serde_json
         // will not build, and the answer is still an answer.
+        let deep = format!(
+            r#"{{"choices":{}1{},"usage":{{"prompt_tokens":5}}}}"#,
+            "[".repeat(200),
+            "]".repeat(200)
+        );
         for body in [
             br#"{"choices":[{"logprob":1e400}],"usage":{"prompt_tokens":5}}"#.as_slice(),
             br#"{"choices":[{"content":"\ud800"}],"usage":{"prompt_tokens":5}}"#.as_slice(),
+            deep.as_bytes(),
         ] {
             assert!(serde_json::from_slice::<Value>(body).is_err());
             let v = answer_json(body).expect("valid JSON");
