@@ -2313,6 +2313,21 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn sqlite_is_built_without_global_locks_on_its_allocations() {
+        // `.cargo/config.toml`'s LIBSQLITE3_FLAGS: with memory statistics or a soft heap
+        // limit, every SQLite allocation and page-cache lookup takes a process-wide mutex.
+        // A LIBSQLITE3_FLAGS set in the environment replaces the file's; this says so.
+        let dir = tempfile::tempdir().unwrap();
+        let db = SqliteBackend::open(&dir.path().join("ledger.db")).await.unwrap();
+        let options: Vec<String> = sqlx::query_scalar("PRAGMA compile_options")
+            .fetch_all(&db.readers)
+            .await
+            .unwrap();
+        assert!(options.iter().any(|o| o == "DEFAULT_MEMSTATUS=0"), "{options:?}");
+        assert!(!options.iter().any(|o| o == "ENABLE_MEMORY_MANAGEMENT"), "{options:?}");
+    }
+
+    #[tokio::test]
     async fn a_batch_of_several_statements_is_written_whole_or_not_at_all() {
         // spec: I3
         let dir = tempfile::tempdir().unwrap();
