@@ -10,7 +10,7 @@ use crate::ingress::{authenticate, read_body, refuse_without_row};
 use crate::limits::KEY_WAIT;
 use crate::server::ConnState;
 use crate::state::AppState;
-use crate::upstream::{FORWARDED_HEADERS, upstream_url, upstream_url_on};
+use crate::upstream::{FORWARDED_HEADERS, request_to};
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::response::Response;
@@ -106,14 +106,7 @@ pub async fn follow_up(
         Ok(b) => b,
         Err(e) => return e.into_response(format),
     };
-    let mut rb = match &channel.base {
-        Some(base) => st
-            .client
-            .request(parts.method.clone(), upstream_url_on(base, format, &parts.uri)),
-        None => st
-            .client
-            .request(parts.method.clone(), upstream_url(&ch.base_url, format, &parts.uri)),
-    };
+    let mut rb = request_to(&st.client, parts.method.clone(), channel, format, &parts.uri);
     if !body.is_empty() {
         rb = rb.header(header::CONTENT_TYPE, "application/json").body(body);
     }

@@ -29,19 +29,37 @@ pub(crate) const FORWARDED_HEADERS: &[&str] = &[
     "accept",
 ];
 
-pub(crate) fn upstream_url(base: &str, format: Format, uri: &http::Uri) -> String {
-    let query: Vec<&str> = uri
-        .query()
-        .unwrap_or_default()
-        .split('&')
-        .filter(|kv| !kv.is_empty())
-        // The client's Gemini key (`?key=`) is the gateway's, not the provider's.
-        .filter(|kv| !(format == Format::Gemini && kv.starts_with("key=")))
-        .collect();
-    if query.is_empty() {
-        format!("{base}{}", uri.path())
-    } else {
-        format!("{base}{}?{}", uri.path(), query.join("&"))
+/// The query the provider gets: the client's, without empty pairs and without a Gemini
+/// client's `key=` (the gateway's, not the provider's); `None` when nothing is left.
+fn upstream_query(format: Format, uri: &http::Uri) -> Option<std::borrow::Cow<'_, str>> {
+    let query = uri.query().unwrap_or_default();
+    let dropped = |kv: &str| kv.is_empty() || (format == Format::Gemini && kv.starts_with("key="));
+    if !query.split('&').any(dropped) {
+        return Some(query.into());
+    }
+    let kept: Vec<&str> = query.split('&').filter(|kv| !dropped(kv)).collect();
+    (!kept.is_empty()).then(|| kept.join("&").into())
+}
+
+fn upstream_url(base: &str, format: Format, uri: &http::Uri) -> String {
+    match upstream_query(format, uri) {
+        Some(query) => format!("{base}{}?{query}", uri.path()),
+        None => format!("{base}{}", uri.path()),
+    }
+}
+
+/// A call to `channel`: its URL built on the base parsed once when there is one
+/// ([`upstream_url_on`]), else from the configured text.
+pub(crate) fn request_to(
+    client: &reqwest::Client,
+    method: http::Method,
+    channel: &crate::state::ChannelRt,
+    format: Format,
+    uri: &http::Uri,
+) -> reqwest::RequestBuilder {
+    match &channel.base {
+        Some(base) => client.request(method, upstream_url_on(base, format, uri)),
+        None => client.request(method, upstream_url(&channel.cfg.base_url, format, uri)),
     }
 }
 
@@ -57,22 +75,14 @@ pub(crate) fn parsed_base(text: &str) -> Option<reqwest::Url> {
 /// [`upstream_url`] on the channel's parsed base ([`parsed_base`]): a copy takes the
 /// request's path and query, so that the scheme, host and port are not parsed again for
 /// every call. The same URL as [`upstream_url`] (see the tests).
-pub(crate) fn upstream_url_on(base: &reqwest::Url, format: Format, uri: &http::Uri) -> reqwest::Url {
+fn upstream_url_on(base: &reqwest::Url, format: Format, uri: &http::Uri) -> reqwest::Url {
     let mut url = base.clone();
     let prefix = base.path().strip_suffix('/').unwrap_or(base.path());
     let mut path = String::with_capacity(prefix.len() + uri.path().len());
     path.push_str(prefix);
     path.push_str(uri.path());
     url.set_path(&path);
-    let query = uri.query().unwrap_or_default();
-    // The client's Gemini key (`?key=`) is the gateway's, not the provider's.
-    let dropped = |kv: &str| kv.is_empty() || (format == Format::Gemini && kv.starts_with("key="));
-    if query.split('&').any(dropped) {
-        let kept: Vec<&str> = query.split('&').filter(|kv| !dropped(kv)).collect();
-        url.set_query((!kept.is_empty()).then(|| kept.join("&")).as_deref());
-    } else {
-        url.set_query(Some(query));
-    }
+    url.set_query(upstream_query(format, uri).as_deref());
     url
 }
 
@@ -164,11 +174,7 @@ impl Caller for HttpCaller {
         };
         let attempt_deadline = started + timeout;
 
-        let rb = match &channel.base {
-            Some(base) => st.client.post(upstream_url_on(base, format, &ctx.uri)),
-            None => st.client.post(upstream_url(&ch.base_url, format, &ctx.uri)),
-        };
-        let mut rb = rb
+        let mut rb = request_to(&st.client, http::Method::POST, &channel, format, &ctx.uri)
             .header(header::CONTENT_TYPE, "application/json")
             .header("traceparent", ctx.trace.traceparent())
             .body(ctx.body.clone());

@@ -276,8 +276,8 @@ fn member<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue
 pub fn answer_json(body: &[u8]) -> Option<Value> {
     let object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
     if object
-        && std::str::from_utf8(body).is_ok()
-        && let Ok(skim) = serde_json::from_slice::<Skim<'_>>(body)
+        && let Ok(text) = std::str::from_utf8(body)
+        && let Ok(skim) = serde_json::from_str::<Skim<'_>>(text)
     {
         let mut out = serde_json::Map::new();
         for (name, raw) in [
