@@ -7,7 +7,7 @@ VENV := .venv
 CARGO ?= cargo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test fleet bench package deps deps-system deps-browser deps-desktop deps-fleet deps-rust deps-python deps-ui ui build build-release build-desktop lint fmt clean
+.PHONY: run test fleet bench link-order package deps deps-system deps-browser deps-desktop deps-fleet deps-rust deps-python deps-ui ui build build-release build-desktop lint fmt clean
 
 deps-system:
 	@missing=""; \
@@ -165,6 +165,19 @@ fleet: build-release deps-fleet
 bench: deps-system deps-rust
 	$(CARGO) build --release -p spillway-cli -p spillway-bench
 	./target/release/spillway-bench --spillway ./target/release/spillway --forwarder ./target/release/bare-forwarder --out bench/results
+
+## Rewrites crates/spillway-cli/link-order.txt, the order release builds link the binary's
+## functions in (start-up's, then a request's, together): run it after a toolchain or
+## dependency update, when `make bench` says the binary no longer has most of the file.
+link-order: build-release
+	@missing=""; \
+	command -v valgrind >/dev/null || missing="$$missing valgrind"; \
+	command -v curl >/dev/null || missing="$$missing curl"; \
+	if [ -n "$$missing" ]; then \
+		echo "==> installing system packages for make link-order:$$missing"; \
+		$(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+	scripts/link-order
 
 clean:
 	$(CARGO) clean

@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 #[derive(Parser)]
 struct Args {
@@ -45,6 +45,9 @@ struct Args {
     /// The bare forwarder (the yardstick) built beside it.
     #[arg(long, default_value = "target/release/bare-forwarder")]
     forwarder: PathBuf,
+    /// The link order release builds of `spillway` follow (`make link-order` writes it).
+    #[arg(long, default_value = "crates/spillway-cli/link-order.txt")]
+    link_order: PathBuf,
     /// Fixed request rates for non-streaming requests, requests per second.
     #[arg(long, value_delimiter = ',', default_value = "500,2000,5000")]
     rates: Vec<u64>,
@@ -247,9 +250,35 @@ type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// A scratch directory on the project's disk (under `target/`), not in /tmp, which is often
 /// a tmpfs where a sync costs nothing and the ledger's durability would look free.
-fn work_dir() -> Result<tempfile::TempDir> {
+/// A scratch directory under `target/`, removed when dropped. Not `tempfile`: that crate
+/// turns on features of dependencies the gateway shares (rustix's `fs`), which would give
+/// the `spillway` built beside the bench other symbol names than the one `make run` builds,
+/// and its link order (crates/spillway-cli/link-order.txt) names them.
+struct WorkDir(PathBuf);
+
+impl WorkDir {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn work_dir() -> Result<WorkDir> {
+    static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .subsec_nanos();
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = PathBuf::from(format!("target/bench-{}-{nanos}-{seq}", std::process::id()));
     std::fs::create_dir_all("target")?;
-    Ok(tempfile::tempdir_in("target")?)
+    std::fs::create_dir(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok(WorkDir(dir))
 }
 
 struct Proc(Child);
@@ -893,6 +922,7 @@ struct Report {
     fsync_p50_us: u64,
     fsync: DiskSync,
     idle_rss_kib: IdleRss,
+    link_order: Option<LinkOrder>,
     rows: Vec<Row>,
     closed_loop: ClosedLoop,
     slow_streams: Option<SlowStreams>,
@@ -929,6 +959,36 @@ struct IdleRss {
     forwarder: Option<u64>,
     spillway: Option<u64>,
     spillway_after_load: Option<u64>,
+}
+
+/// How much of the link order (crates/spillway-cli/build.rs) the measured binary follows:
+/// the names it lists that the binary defines. A toolchain or dependency update renames
+/// most functions; the order then does nothing, and idle RSS goes back up by about 7 MiB.
+#[derive(Serialize)]
+struct LinkOrder {
+    listed: usize,
+    found: usize,
+}
+
+/// None when the file or the binary's symbols (binutils' `nm`) cannot be read.
+fn link_order(order: &Path, binary: &Path) -> Option<LinkOrder> {
+    let text = std::fs::read_to_string(order).ok()?;
+    let out = Command::new("nm").arg("--defined-only").arg(binary).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let symbols = String::from_utf8_lossy(&out.stdout);
+    let defined: std::collections::HashSet<&str> =
+        symbols.lines().filter_map(|l| l.split_whitespace().nth(2)).collect();
+    let listed: Vec<&str> = text
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .collect();
+    Some(LinkOrder {
+        listed: listed.len(),
+        found: listed.iter().filter(|n| defined.contains(*n)).count(),
+    })
 }
 
 /// The failover scenario: two channels serving one model, each failing a share of its
@@ -1523,6 +1583,24 @@ async fn main() -> Result<()> {
         mib(idle.spillway),
         mib(idle.spillway_after_load)
     );
+    let order = link_order(&args.link_order, &args.spillway);
+    match &order {
+        Some(o) => println!(
+            "link order: the binary defines {} of the {} functions {} lists{}",
+            o.found,
+            o.listed,
+            args.link_order.display(),
+            if o.found * 10 < o.listed * 8 {
+                " (under 80 %: run `make link-order`)"
+            } else {
+                ""
+            }
+        ),
+        None => println!(
+            "link order: cannot compare {} with the binary's symbols",
+            args.link_order.display()
+        ),
+    }
     if let Some(s) = &slow {
         println!(
             "{} slow streams at once: forwarder peak {} ({} completed, {} failed), spillway peak {} ({} completed, {} failed)",
@@ -1847,6 +1925,7 @@ async fn main() -> Result<()> {
         fsync_p50_us: fsync_us,
         fsync: sync,
         idle_rss_kib: idle,
+        link_order: order,
         rows,
         closed_loop,
         slow_streams: slow,
@@ -1892,7 +1971,7 @@ async fn fleet_run(
     key: &str,
     single: &Row,
     single_closed_rps: f64,
-    dir: &tempfile::TempDir,
+    dir: &WorkDir,
 ) -> Result<FleetRun> {
     eprintln!("starting PostgreSQL and Redis for the fleet run ...");
     let sdir = dir.path().join("services");
