@@ -7,7 +7,7 @@ VENV := .venv
 CARGO ?= cargo
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test fleet bench link-order package deps deps-system deps-browser deps-desktop deps-fleet deps-rust deps-python deps-ui ui build build-release build-desktop lint fmt clean
+.PHONY: run test fleet bench link-order link-order-deps package deps deps-system deps-browser deps-desktop deps-fleet deps-rust deps-python deps-ui ui build build-release build-desktop lint fmt clean
 
 deps-system:
 	@missing=""; \
@@ -169,7 +169,10 @@ bench: deps-system deps-rust
 ## Rewrites crates/spillway-cli/link-order.txt, the order release builds link the binary's
 ## functions in (start-up's, then a request's, together): run it after a toolchain or
 ## dependency update, when `make bench` says the binary no longer has most of the file.
-link-order: build-release
+link-order: link-order-deps build-release
+	scripts/link-order
+
+link-order-deps:
 	@missing=""; \
 	command -v valgrind >/dev/null || missing="$$missing valgrind"; \
 	command -v curl >/dev/null || missing="$$missing curl"; \
@@ -177,7 +180,6 @@ link-order: build-release
 		echo "==> installing system packages for make link-order:$$missing"; \
 		$(SUDO) apt-get update -qq && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
-	scripts/link-order
 
 clean:
 	$(CARGO) clean

@@ -248,8 +248,6 @@ async fn commit_cost(commits: u64) -> Result<Vec<CommitCost>> {
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-/// A scratch directory on the project's disk (under `target/`), not in /tmp, which is often
-/// a tmpfs where a sync costs nothing and the ledger's durability would look free.
 /// A scratch directory under `target/`, removed when dropped. Not `tempfile`: that crate
 /// turns on features of dependencies the gateway shares (rustix's `fs`), which would give
 /// the `spillway` built beside the bench other symbol names than the one `make run` builds,
@@ -268,6 +266,10 @@ impl Drop for WorkDir {
     }
 }
 
+/// A new scratch directory on the project's disk (under `target/`), not in /tmp, which is
+/// often a tmpfs where a sync costs nothing and the ledger's durability would look free.
+/// Absolute, because the gateway's config resolves a relative ledger path against the
+/// config file's own folder.
 fn work_dir() -> Result<WorkDir> {
     static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let nanos = SystemTime::now()
@@ -278,7 +280,7 @@ fn work_dir() -> Result<WorkDir> {
     let dir = PathBuf::from(format!("target/bench-{}-{nanos}-{seq}", std::process::id()));
     std::fs::create_dir_all("target")?;
     std::fs::create_dir(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    Ok(WorkDir(dir))
+    Ok(WorkDir(std::path::absolute(&dir)?))
 }
 
 struct Proc(Child);
@@ -968,6 +970,9 @@ struct IdleRss {
 struct LinkOrder {
     listed: usize,
     found: usize,
+    /// Of the found names, one after another in the file, the share the binary places one
+    /// after another too: near 1 when the linker took the file, lower when it did not (the file lists each part by name).
+    in_order: f64,
 }
 
 /// None when the file or the binary's symbols (binutils' `nm`) cannot be read.
@@ -978,16 +983,29 @@ fn link_order(order: &Path, binary: &Path) -> Option<LinkOrder> {
         return None;
     }
     let symbols = String::from_utf8_lossy(&out.stdout);
-    let defined: std::collections::HashSet<&str> =
-        symbols.lines().filter_map(|l| l.split_whitespace().nth(2)).collect();
+    let defined: std::collections::HashMap<&str, u64> = symbols
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
+            Some((f.nth(1)?, addr))
+        })
+        .collect();
+    // A stripped binary has no symbols to compare with.
+    if defined.is_empty() {
+        return None;
+    }
     let listed: Vec<&str> = text
         .lines()
         .map(|l| l.split('#').next().unwrap_or("").trim())
         .filter(|l| !l.is_empty())
         .collect();
+    let found: Vec<u64> = listed.iter().filter_map(|n| defined.get(n).copied()).collect();
+    let ascending = found.windows(2).filter(|w| w[0] < w[1]).count();
     Some(LinkOrder {
         listed: listed.len(),
-        found: listed.iter().filter(|n| defined.contains(*n)).count(),
+        found: found.len(),
+        in_order: ascending as f64 / found.len().saturating_sub(1).max(1) as f64,
     })
 }
 
@@ -1586,12 +1604,15 @@ async fn main() -> Result<()> {
     let order = link_order(&args.link_order, &args.spillway);
     match &order {
         Some(o) => println!(
-            "link order: the binary defines {} of the {} functions {} lists{}",
+            "link order: the binary defines {} of the {} functions {} lists, {:.0} % of them in its order{}",
             o.found,
             o.listed,
             args.link_order.display(),
+            o.in_order * 100.0,
             if o.found * 10 < o.listed * 8 {
-                " (under 80 %: run `make link-order`)"
+                " (under 80 % found: run `make link-order`)"
+            } else if o.in_order < 0.9 {
+                " (not in order: the linker did not take the file; see the build's warnings)"
             } else {
                 ""
             }

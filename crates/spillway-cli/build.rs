@@ -22,27 +22,64 @@ fn main() {
 /// around each one touched, so a gateway that had only started held 12 MiB of its code
 /// resident, and 5 with this order.
 ///
-/// Only with the linker rustc itself uses on x86_64 Linux (its own lld), which takes the
-/// file; a build that chose another linker links as before. Names the file gives that the
-/// build does not have (after a toolchain or dependency update) are skipped: the code then
-/// lies as it would without the file, and `make bench` says how much of it is found.
+/// Only lld and mold take the file; GNU ld and gold refuse the option and would fail the
+/// link. Which linker `cc` runs depends on how rustc was built (rustup's rustc uses its own
+/// lld on x86_64 Linux, a distribution's often does not) and on the build's settings, so
+/// the option is tried on an empty program first, with the same compiler, target, linker
+/// and flags, and passed only if that links. Names the file gives that the build does not
+/// have (after a toolchain or dependency update) are skipped: the code then lies as it would
+/// without the file, and `make bench` says how much of it is found.
 fn link_order() {
     let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("link-order.txt");
     println!("cargo:rerun-if-changed={}", file.display());
-    println!("cargo:rerun-if-env-changed=RUSTC_LINKER");
     let var = |k: &str| std::env::var(k).unwrap_or_default();
-    let rustc_lld = var("CARGO_CFG_TARGET_ARCH") == "x86_64"
-        && var("CARGO_CFG_TARGET_OS") == "linux"
-        && var("CARGO_CFG_TARGET_ENV") == "gnu"
-        && std::env::var_os("RUSTC_LINKER").is_none()
-        && !var("CARGO_ENCODED_RUSTFLAGS").contains("link");
-    if var("PROFILE") == "release" && rustc_lld && file.is_file() {
-        println!(
-            "cargo:rustc-link-arg-bin=spillway=-Wl,--symbol-ordering-file={}",
-            file.display()
-        );
-        println!("cargo:rustc-link-arg-bin=spillway=-Wl,--no-warn-symbol-ordering");
+    if var("PROFILE") != "release" || !file.is_file() {
+        return;
     }
+    let args = [
+        "-Xlinker".to_string(),
+        format!("--symbol-ordering-file={}", file.display()),
+        "-Xlinker".to_string(),
+        "--no-warn-symbol-ordering".to_string(),
+    ];
+    if linker_takes(&args) {
+        for arg in args {
+            println!("cargo:rustc-link-arg-bin=spillway={arg}");
+        }
+    } else {
+        println!(
+            "cargo:warning=the linker does not take --symbol-ordering-file: `spillway` is linked without link-order.txt (idle RSS is higher; see README, Code layout)"
+        );
+    }
+}
+
+/// Whether an empty program links with `args` passed to the linker, built the way cargo
+/// builds this crate (`RUSTC`, `TARGET`, the configured linker, `CARGO_ENCODED_RUSTFLAGS`).
+fn linker_takes(args: &[String]) -> bool {
+    let Some(out) = std::env::var_os("OUT_DIR") else {
+        return false;
+    };
+    let out = Path::new(&out);
+    let src = out.join("link-probe.rs");
+    if std::fs::write(&src, "fn main() {}\n").is_err() {
+        return false;
+    }
+    let var = |k: &str| std::env::var(k).unwrap_or_default();
+    let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let mut cmd = Command::new(rustc);
+    cmd.arg("--target").arg(var("TARGET"));
+    cmd.arg("-o").arg(out.join("link-probe")).arg(&src);
+    if let Some(linker) = std::env::var_os("RUSTC_LINKER") {
+        cmd.arg("-C").arg(format!("linker={}", linker.to_string_lossy()));
+    }
+    let flags = var("CARGO_ENCODED_RUSTFLAGS");
+    cmd.args(flags.split('\x1f').filter(|f| !f.is_empty()));
+    for arg in args {
+        cmd.arg("-C").arg(format!("link-arg={arg}"));
+    }
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    cmd.status().is_ok_and(|s| s.success())
 }
 
 fn console() {
