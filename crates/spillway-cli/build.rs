@@ -64,15 +64,14 @@ fn linker_takes(args: &[String]) -> bool {
     if std::fs::write(&src, "fn main() {}\n").is_err() {
         return false;
     }
-    let var = |k: &str| std::env::var(k).unwrap_or_default();
     let rustc = std::env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
     let mut cmd = Command::new(rustc);
-    cmd.arg("--target").arg(var("TARGET"));
+    cmd.arg("--target").arg(std::env::var_os("TARGET").unwrap_or_default());
     cmd.arg("-o").arg(out.join("link-probe")).arg(&src);
     if let Some(linker) = std::env::var_os("RUSTC_LINKER") {
         cmd.arg("-C").arg(format!("linker={}", linker.to_string_lossy()));
     }
-    let flags = var("CARGO_ENCODED_RUSTFLAGS");
+    let flags = std::env::var("CARGO_ENCODED_RUSTFLAGS").unwrap_or_default();
     cmd.args(flags.split('\x1f').filter(|f| !f.is_empty()));
     for arg in args {
         cmd.arg("-C").arg(format!("link-arg={arg}"));
