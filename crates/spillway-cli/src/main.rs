@@ -4,16 +4,44 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use spillway_cli::launch::{self, Launch};
 use spillway_cli::signals::Signals;
+use std::cell::Cell;
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// mimalloc rather than glibc's malloc: a request allocates and frees many small objects,
 /// some on another thread than made them (records handed to the ledger's), and glibc
 /// spent a tenth of the gateway's CPU on that at 2,000 req/s (see the commit).
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Gives what the allocator has freed back to the system once a request thread goes idle.
+///
+/// mimalloc returns a freed page to the system a second after it was freed, but only when
+/// a later allocation or free on the same thread notices that the second has passed. A
+/// gateway that goes quiet after a burst makes no such call, so what the burst freed stayed
+/// resident for good: 2,000 connections that each made a request and closed left the RSS
+/// at 49 MiB, from 16 (18 with this). Run as the runtime parks a worker thread, at most
+/// once a second per thread, so a busy one pays for it once a second; the engine's
+/// once-a-second tick wakes an idle one, and the next park returns what the last freed.
+fn collect_freed_memory() {
+    thread_local!(static LAST: Cell<Option<Instant>> = const { Cell::new(None) });
+    let now = Instant::now();
+    if LAST
+        .get()
+        .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
+    {
+        return;
+    }
+    LAST.set(Some(now));
+    // SAFETY: mi_collect has no preconditions: it walks the calling thread's own heap and
+    // the arenas' free lists, under mimalloc's own synchronisation.
+    #[allow(unsafe_code)]
+    unsafe {
+        libmimalloc_sys::mi_collect(false)
+    };
+}
 
 #[derive(Parser)]
 #[command(
@@ -428,6 +456,7 @@ fn run() -> Result<()> {
         )
         .init();
     let mut rt = tokio::runtime::Builder::new_multi_thread();
+    rt.on_thread_park(collect_freed_memory);
     if let Command::Serve(args) = &cli.command {
         let sqlite = launch::sqlite_ledger(args.config.as_deref(), args.ledger.as_deref());
         let workers = launch::request_threads(args.workers, sqlite);
