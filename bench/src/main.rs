@@ -248,6 +248,16 @@ async fn commit_cost(commits: u64) -> Result<Vec<CommitCost>> {
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// The load generator's client: keeps up to 2,048 idle connections per server, so an open
+/// loop that outruns its server reuses what it opened rather than opening more.
+fn http_client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(2048)
+        .build(connector)
+}
+
 /// A scratch directory under `target/`, removed when dropped. Not `tempfile`: that crate
 /// turns on features of dependencies the gateway shares (rustix's `fs`), which would give
 /// the `spillway` built beside the bench other symbol names than the one `make run` builds,
@@ -1306,11 +1316,7 @@ async fn main() -> Result<()> {
         pid: Some(gw.0.id()),
         by_model: true,
     };
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    let client: HttpClient = Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(2048)
-        .build(connector);
+    let mut client = http_client();
     // Idle: started, settled, nothing sent yet.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let idle_fwd = forwarder.pid.and_then(rss_kib);
@@ -1384,6 +1390,13 @@ async fn main() -> Result<()> {
     };
 
     let slow = if args.slow_streams > 0 {
+        // A fresh client, and a moment for the servers to notice: a saturated phase leaves
+        // this client holding a connection to each server for every request that was
+        // waiting at once (2,000 and more to a gateway that fell behind), and those idle
+        // connections (about 20 KiB each in the gateway) are the earlier phase's memory,
+        // not the streams'. What a load leaves behind is the `after the load` figure.
+        client = http_client();
+        tokio::time::sleep(Duration::from_secs(3)).await;
         let tokens = 10u32;
         let behaviour = serde_json::json!({"output_tokens": tokens,
             "tokens_per_second": tokens as f64 / args.slow_stream_seconds});
