@@ -251,12 +251,9 @@ impl Accounts {
             return p.clone();
         }
         let mut w = self.pricing.write().unwrap_or_else(|p| p.into_inner());
-        w.get_or_insert_with(|| {
-            let p = Pricing::builtin();
-            log_stale(&p, UnixMs::from_system(std::time::SystemTime::now()));
-            Arc::new(p)
-        })
-        .clone()
+        // Its stale prices are logged by the pricing upkeep (lib.rs) at its next poll, as
+        // any catalog's are: logging here as well said it twice.
+        w.get_or_insert_with(|| Arc::new(Pricing::builtin())).clone()
     }
 
     /// The catalog, if one has been read (the built-in one is read on first use).
