@@ -29,10 +29,12 @@ const SHOTS = join(root, 'docs', 'screenshots')
 
 let gateway, browser, url, demoKey, adminToken, simUrl
 
+// Deadlines on the monotonic clock: a wall clock stepped by the host (NTP, a paused
+// virtual machine) once failed a 20 s wait after 10 s.
 async function until(what, fn, timeoutMs = 15_000) {
-  const end = Date.now() + timeoutMs
+  const end = performance.now() + timeoutMs
   let last
-  while (Date.now() < end) {
+  while (performance.now() < end) {
     last = await fn()
     if (last) return last
     await new Promise((r) => setTimeout(r, 200))
@@ -620,7 +622,7 @@ test('an operator runs a drill from the breaker to a closed recovery with an exp
     await p.getByTestId('recovery-start-reason').fill('quarterly recovery drill')
     await p.getByTestId('recovery-start-actor').fill('e2e operator')
     await p.getByTestId('recovery-start').click()
-    const drillStarted = Date.now()
+    const drillStarted = performance.now()
     await until('the run page', async () => /^\/recovery\/[^/]+$/.test(new URL(p.url()).pathname))
     const id = decodeURIComponent(new URL(p.url()).pathname.split('/')[2])
     const detail = p.getByTestId('recovery-detail')
@@ -664,7 +666,7 @@ test('an operator runs a drill from the breaker to a closed recovery with an exp
 
     // Confirm: the staged incident ends by itself; probe rounds until one passes.
     await p.getByTestId('recovery-probes-form').waitFor()
-    await p.waitForTimeout(Math.max(0, drillStarted + timing.drill_incident_ms - Date.now()))
+    await p.waitForTimeout(Math.max(0, drillStarted + timing.drill_incident_ms - performance.now()))
     await p.getByTestId('recovery-probes-actor').fill('e2e operator')
     await until('a passing probe round', async () => {
       if ((await status('confirm')) === 'done') return true
