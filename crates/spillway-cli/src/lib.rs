@@ -4,6 +4,10 @@
 //! start demo traffic; then stop it all in order on shutdown. The engine library knows
 //! nothing of the simulator or the demo: they are wired in here.
 
+// The package's lint is `deny` so that main.rs may call the allocator (see Cargo.toml);
+// the library the desktop shell links stays without unsafe code.
+#![forbid(unsafe_code)]
+
 pub mod launch;
 pub mod signals;
 pub mod status;

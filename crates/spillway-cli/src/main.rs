@@ -23,8 +23,11 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// gateway that goes quiet after a burst makes no such call, so what the burst freed stayed
 /// resident for good: 2,000 connections that each made a request and closed left the RSS
 /// at 49 MiB, from 16 (18 with this). Run as the runtime parks a worker thread, at most
-/// once a second per thread, so a busy one pays for it once a second; the engine's
-/// once-a-second tick wakes an idle one, and the next park returns what the last freed.
+/// once a second per thread, so a busy one pays for it once a second. The engine's
+/// once-a-second tick wakes the thread that drives the runtime's timers, whose next park
+/// returns what its last freed, and purges the pages any thread gave back (arenas are
+/// process-wide). With more than one request thread, one the tick does not wake keeps the
+/// pages it freed in its last busy second until it next runs.
 fn collect_freed_memory() {
     thread_local!(static LAST: Cell<Option<Instant>> = const { Cell::new(None) });
     let now = Instant::now();

@@ -674,7 +674,8 @@ impl Accounts {
 }
 
 /// M1: says which prices are older than 30 days (the console flags them where costs are
-/// shown; the log says it when the catalog is read and once a day).
+/// shown; the pricing upkeep logs it within a poll of the catalog being read, then once a
+/// day).
 pub fn log_stale(p: &Pricing, now: UnixMs) {
     let stale: Vec<&str> = p
         .stale(now.0.div_euclid(86_400_000))
