@@ -76,6 +76,12 @@ def read_log(proc, needle, timeout=10.0):
     return line
 
 
+def no_log_line(proc, needle, seconds):
+    """Reads stderr (the log) for `seconds`; fails if a line contains `needle`."""
+    line = _line_from(proc, proc.stderr, lambda l: needle in l, seconds)
+    assert line is None, f"log line with {needle!r}: {line}"
+
+
 def wait_for(pred, timeout=5.0):
     """Polls `pred` until it holds (True) or `timeout` seconds pass (False)."""
     deadline = time.monotonic() + timeout

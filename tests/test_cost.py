@@ -13,7 +13,8 @@ from google import genai
 from google.genai import errors as genai_errors
 from google.genai import types
 
-from conftest import BIN, EMBED_MODELS, MODELS, _line_from, clean_env, read_line, read_log, start_gateway, stop, wait_for
+from conftest import (BIN, EMBED_MODELS, MODELS, clean_env, no_log_line, read_line, read_log, start_gateway, stop,
+                      wait_for)
 
 
 def oa(gw, key=None):
@@ -427,8 +428,7 @@ def test_m1_stale_prices_are_logged_once_when_the_catalog_is_read(gateway):
     stale = "prices are older than 30 days"
     read_log(gateway.proc, stale)
     # The upkeep polls every 2 s: a repeat would come within three polls.
-    again = _line_from(gateway.proc, gateway.proc.stderr, lambda line: stale in line, 7.0)
-    assert again is None, again
+    no_log_line(gateway.proc, stale, 7.0)
 
 
 def test_an_unknown_time_zone_is_refused_with_its_name(tmp_path):
