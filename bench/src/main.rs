@@ -687,6 +687,11 @@ fn ledger_cpu_us(pid: u32, tck: u64) -> Option<u64> {
     Some(total)
 }
 
+/// How many file descriptors `pid` has open (its sockets among them).
+fn open_fds(pid: u32) -> Option<usize> {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).ok().map(|d| d.count())
+}
+
 /// Resident memory of a process, KiB.
 fn rss_kib(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -807,6 +812,10 @@ struct SlowStreams {
 
 #[derive(Serialize)]
 struct StreamsHeld {
+    /// Before the load generator's client from the earlier phases was dropped: the memory
+    /// and the open descriptors (its idle connections among them) those phases left.
+    rss_kib_left: Option<u64>,
+    fds_left: Option<usize>,
     rss_kib_before: Option<u64>,
     rss_kib_peak: Option<u64>,
     completed: u64,
@@ -1133,7 +1142,13 @@ fn disk_sync(samples: usize) -> Result<DiskSync> {
 }
 
 /// `streams` slow streams at once through `t`; samples its memory while they are open.
-async fn slow_streams(client: &HttpClient, t: &Target, key: &str, streams: usize) -> StreamsHeld {
+async fn slow_streams(
+    client: &HttpClient,
+    t: &Target,
+    key: &str,
+    streams: usize,
+    left: (Option<u64>, Option<usize>),
+) -> StreamsHeld {
     let rss_before = t.pid.and_then(rss_kib);
     let payload = body_for("bench-slow", true);
     let url = t.url("slow");
@@ -1159,6 +1174,8 @@ async fn slow_streams(client: &HttpClient, t: &Target, key: &str, streams: usize
         }
     }
     StreamsHeld {
+        rss_kib_left: left.0,
+        fds_left: left.1,
         rss_kib_before: rss_before,
         rss_kib_peak: peak,
         completed,
@@ -1393,8 +1410,11 @@ async fn main() -> Result<()> {
         // A fresh client, and a moment for the servers to notice: a saturated phase leaves
         // this client holding a connection to each server for every request that was
         // waiting at once (2,000 and more to a gateway that fell behind), and those idle
-        // connections (about 20 KiB each in the gateway) are the earlier phase's memory,
-        // not the streams'. What a load leaves behind is the `after the load` figure.
+        // connections (about 20 KiB each in the gateway, which closes them after a minute
+        // idle) are the earlier phase's memory, not the streams'. What they left is
+        // reported beside the peak.
+        let left = |t: &Target| (t.pid.and_then(rss_kib), t.pid.and_then(open_fds));
+        let (left_fwd, left_gw) = (left(&forwarder), left(&spillway));
         client = http_client();
         tokio::time::sleep(Duration::from_secs(3)).await;
         let tokens = 10u32;
@@ -1405,8 +1425,8 @@ async fn main() -> Result<()> {
             "holding {} slow streams ({} s each) open at once: forwarder, spillway ...",
             args.slow_streams, args.slow_stream_seconds
         );
-        let f = slow_streams(&client, &forwarder, key, args.slow_streams).await;
-        let g = slow_streams(&client, &spillway, key, args.slow_streams).await;
+        let f = slow_streams(&client, &forwarder, key, args.slow_streams, left_fwd).await;
+        let g = slow_streams(&client, &spillway, key, args.slow_streams, left_gw).await;
         Some(SlowStreams {
             streams: args.slow_streams,
             seconds_each: args.slow_stream_seconds,
@@ -1646,6 +1666,19 @@ async fn main() -> Result<()> {
             mib(s.spillway.rss_kib_peak),
             s.spillway.completed,
             s.spillway.failed
+        );
+        let left = |h: &StreamsHeld| {
+            format!(
+                "{} with {} descriptors open, {} once the generator's idle connections closed",
+                mib(h.rss_kib_left),
+                h.fds_left.map_or("?".into(), |n| n.to_string()),
+                mib(h.rss_kib_before)
+            )
+        };
+        println!(
+            "what the earlier phases left before the streams: forwarder {}; spillway {}",
+            left(&s.forwarder),
+            left(&s.spillway)
         );
     }
     println!(
