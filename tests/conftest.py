@@ -77,9 +77,11 @@ def read_log(proc, needle, timeout=10.0):
 
 
 def no_log_line(proc, needle, seconds):
-    """Reads stderr (the log) for `seconds`; fails if a line contains `needle`."""
+    """Reads stderr (the log) for `seconds`; fails if a line contains `needle`, or if the
+    process ended meanwhile (its log would then say nothing because it stopped)."""
     line = _line_from(proc, proc.stderr, lambda l: needle in l, seconds)
     assert line is None, f"log line with {needle!r}: {line}"
+    assert proc.poll() is None, f"the process ended (exit {proc.returncode}) while its log was read"
 
 
 def wait_for(pred, timeout=5.0):

@@ -428,7 +428,13 @@ def test_m1_stale_prices_are_logged_once_when_the_catalog_is_read(gateway):
     stale = "prices are older than 30 days"
     read_log(gateway.proc, stale)
     # The upkeep polls every 2 s: a repeat would come within three polls.
-    no_log_line(gateway.proc, stale, 7.0)
+    day = time.gmtime().tm_yday
+    try:
+        no_log_line(gateway.proc, stale, 7.0)
+    except AssertionError:
+        if time.gmtime().tm_yday != day and gateway.proc.poll() is None:
+            pytest.skip("the wait crossed midnight UTC, when the daily repeat is due")
+        raise
 
 
 def test_an_unknown_time_zone_is_refused_with_its_name(tmp_path):
