@@ -816,7 +816,10 @@ struct StreamsHeld {
     /// and the open descriptors (its idle connections among them) those phases left.
     rss_kib_left: Option<u64>,
     fds_left: Option<usize>,
+    /// Just before the streams open, from a fresh client: the descriptors say whether the
+    /// earlier phases' connections have closed by then.
     rss_kib_before: Option<u64>,
+    fds_before: Option<usize>,
     rss_kib_peak: Option<u64>,
     completed: u64,
     failed: u64,
@@ -1150,6 +1153,7 @@ async fn slow_streams(
     left: (Option<u64>, Option<usize>),
 ) -> StreamsHeld {
     let rss_before = t.pid.and_then(rss_kib);
+    let fds_before = t.pid.and_then(open_fds);
     let payload = body_for("bench-slow", true);
     let url = t.url("slow");
     let mut tasks = Vec::with_capacity(streams);
@@ -1177,6 +1181,7 @@ async fn slow_streams(
         rss_kib_left: left.0,
         fds_left: left.1,
         rss_kib_before: rss_before,
+        fds_before,
         rss_kib_peak: peak,
         completed,
         failed,
@@ -1667,12 +1672,14 @@ async fn main() -> Result<()> {
             s.spillway.completed,
             s.spillway.failed
         );
+        let fds = |n: Option<usize>| n.map_or("?".into(), |n| n.to_string());
         let left = |h: &StreamsHeld| {
             format!(
-                "{} with {} descriptors open, {} once the generator's idle connections closed",
+                "{} with {} descriptors open, {} with {} from a fresh client",
                 mib(h.rss_kib_left),
-                h.fds_left.map_or("?".into(), |n| n.to_string()),
-                mib(h.rss_kib_before)
+                fds(h.fds_left),
+                mib(h.rss_kib_before),
+                fds(h.fds_before)
             )
         };
         println!(

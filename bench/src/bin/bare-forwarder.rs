@@ -13,7 +13,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 
-/// The gateway's allocator, so that the yardstick differs from it only in what it does.
+/// The gateway's allocator, so that an allocation costs both the same (the gateway's
+/// idle-time `mi_collect` and transparent-huge-page switch are left out: this process
+/// keeps nothing between requests but its pool).
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
