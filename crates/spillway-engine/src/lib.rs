@@ -279,8 +279,9 @@ pub async fn start_with<C: failover::Caller>(config: Config, opts: Options, call
 /// How often a config's pricing file is looked at for changes.
 const PRICING_POLL: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// M1: logs stale prices (at start-up and daily), and reloads a config's
-/// `pricing:` file when it changes: a bad edit keeps the catalog in force and says why.
+/// M1: logs stale prices (within a poll of the catalog's first use, then daily), and
+/// reloads a config's `pricing:` file when it changes: a bad edit keeps the catalog in
+/// force and says why.
 fn pricing_upkeep(st: &Arc<AppState>) {
     let weak = Arc::downgrade(st);
     let path = st.config.pricing.clone();
