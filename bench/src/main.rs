@@ -789,6 +789,19 @@ struct Row {
     forwarder_added_p99_us: i64,
     spillway_added_p50_us: i64,
     spillway_added_p99_us: i64,
+    /// The forwarder with a synced SQLite commit before each upstream call (`bare-forwarder
+    /// --ledger`): what I3 and sqlx alone cost on this machine, the floor of the gateway's
+    /// CPU and latency targets. Measured in the non-streaming phases up to 2,000 req/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    durable_forwarder: Option<DurableForwarder>,
+}
+
+#[derive(Serialize)]
+struct DurableForwarder {
+    #[serde(flatten)]
+    measured: Measured,
+    added_p50_us: i64,
+    added_p99_us: i64,
 }
 
 #[derive(Serialize)]
@@ -1295,6 +1308,17 @@ async fn main() -> Result<()> {
         &[],
         "bare-forwarder listening on ",
     )?;
+    let (fwd_durable, fwd_durable_url) = spawn(
+        &args.forwarder,
+        &[
+            "--upstream",
+            &sim_url,
+            "--ledger",
+            dir.path().join("forwarder-ledger.db").to_str().context("path")?,
+        ],
+        &[],
+        "bare-forwarder listening on ",
+    )?;
     let key = "sk-bench-0123456789abcdef0123";
     let config = dir.path().join("gateway.yaml");
     let channel = |name: &str, model: &str| {
@@ -1338,6 +1362,11 @@ async fn main() -> Result<()> {
         pid: Some(gw.0.id()),
         by_model: true,
     };
+    let durable_forwarder = Target {
+        base: fwd_durable_url,
+        pid: Some(fwd_durable.0.id()),
+        by_model: false,
+    };
     let mut client = http_client();
     // Idle: started, settled, nothing sent yet.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -1355,7 +1384,14 @@ async fn main() -> Result<()> {
         .filter(|p| p.2 > 0)
         .collect();
     for (kind, stream, rate) in phases {
-        eprintln!("measuring {kind} at {rate} req/s: direct, forwarder, spillway ...");
+        eprintln!(
+            "measuring {kind} at {rate} req/s: direct, forwarder, spillway{} ...",
+            if !stream && rate <= 2000 {
+                ", forwarder with a synced commit"
+            } else {
+                ""
+            }
+        );
         let payload = body(stream);
         let sent = rate * (secs + 1);
         let d = fixed_rate_with(&client, &direct.url("bench"), key, payload.clone(), stream, rate, secs).await;
@@ -1378,7 +1414,31 @@ async fn main() -> Result<()> {
         }
         let g = measured.pop().context("spillway")?;
         let f = measured.pop().context("forwarder")?;
+        // After the gateway, so that its figures are taken as they were before this
+        // yardstick existed.
+        let durable = if !stream && rate <= 2000 {
+            let m = Meter::start(&durable_forwarder, tck);
+            let lat = fixed_rate_with(
+                &client,
+                &durable_forwarder.url("bench"),
+                key,
+                payload.clone(),
+                stream,
+                rate,
+                secs,
+            )
+            .await;
+            let got = m.finish(lat, sent);
+            Some(DurableForwarder {
+                added_p50_us: got.lat.p50_us as i64 - d.p50_us as i64,
+                added_p99_us: got.lat.p99_us as i64 - d.p99_us as i64,
+                measured: got,
+            })
+        } else {
+            None
+        };
         rows.push(Row {
+            durable_forwarder: durable,
             kind,
             rate_rps: rate,
             forwarder_added_p50_us: f.lat.p50_us as i64 - d.p50_us as i64,
@@ -1549,6 +1609,7 @@ async fn main() -> Result<()> {
     };
     drop(gw);
     drop(fwd);
+    drop(fwd_durable);
 
     let fleet = if args.fleet_rate > 0 {
         let single = rows
@@ -1625,6 +1686,30 @@ async fn main() -> Result<()> {
                 r.direct.failed, r.forwarder.lat.failed, r.spillway.lat.failed
             ),
         );
+    }
+    if rows.iter().any(|r| r.durable_forwarder.is_some()) {
+        println!(
+            "\nthe floor under the gateway: the forwarder with a synced SQLite commit (sqlx, WAL, synchronous=FULL) before each upstream call\n"
+        );
+        println!("| req/s | added p50 | added p99 | CPU per request (of which SQLite thread) | failed |");
+        println!("|---|---|---|---|---|");
+        for r in &rows {
+            if let Some(d) = &r.durable_forwarder {
+                let m = &d.measured;
+                println!(
+                    "| {} | {} | {} | {} | {} |",
+                    r.rate_rps,
+                    signed_us(d.added_p50_us),
+                    signed_us(d.added_p99_us),
+                    match (m.cpu_us_per_request, m.ledger_cpu_us_per_request) {
+                        (Some(c), Some(l)) => format!("{c:.0} µs ({l:.0})"),
+                        (Some(c), None) => format!("{c:.0} µs"),
+                        _ => "?".into(),
+                    },
+                    m.lat.failed
+                );
+            }
+        }
     }
     println!(
         "\nclosed loop, {} connections: direct {:.0} req/s, forwarder {:.0}, spillway {:.0} ({} of the forwarder's)",
@@ -1791,6 +1876,8 @@ async fn main() -> Result<()> {
     }
 
     // ---- the verdicts (issue 9's budget) ----
+    const DURABLE_FLOOR: &str =
+        "the forwarder with a synced SQLite commit before each upstream call (I3), measured in this phase";
     let mut verdicts = Vec::new();
     let mut lines = Vec::new();
     let mut judge = |v: Verdict, measured: f64, limit: f64| {
@@ -1830,7 +1917,17 @@ async fn main() -> Result<()> {
                 // ledger commits in the phase costs one sync's CPU on top: a floor for its
                 // commit rate (group commit already shares a commit among the requests
                 // waiting together; only waiting for company would share more).
-                if let (Some(c), Some(cpu)) = (r.spillway.ledger_commits, sync.cpu_us) {
+                let durable = r.durable_forwarder.as_ref().and_then(|d| d.measured.cpu_us_per_request);
+                if let Some(floor) = durable {
+                    v = with_floor(
+                        v,
+                        g,
+                        floor,
+                        2.0 * f,
+                        show,
+                        format!("{DURABLE_FLOOR}; the gateway's own work {:.0} µs above it", g - floor),
+                    );
+                } else if let (Some(c), Some(cpu)) = (r.spillway.ledger_commits, sync.cpu_us) {
                     let per = c.commits as f64 / (rate * (secs + 1)) as f64;
                     v = with_floor(
                         v,
@@ -1847,27 +1944,34 @@ async fn main() -> Result<()> {
             }
             let limit = 300.0 + fsync_us as f64;
             let m = r.spillway_added_p50_us as f64;
-            judge(
-                verdict(
-                    format!("added p50 at {rate} req/s ≤ 0.3 ms + fsync p50"),
-                    m,
-                    limit,
-                    usf,
-                    false,
-                ),
-                m,
-                limit,
-            );
-            let limit = 2.0 * (r.forwarder_added_p99_us as f64).max(P99_FLOOR_US);
-            let m = r.spillway_added_p99_us as f64;
-            let v = verdict(
-                format!("added p99 at {rate} req/s ≤ 2× the forwarder's"),
+            let mut v = verdict(
+                format!("added p50 at {rate} req/s ≤ 0.3 ms + fsync p50"),
                 m,
                 limit,
                 usf,
                 false,
             );
-            judge(sync_floor(with_commits(v, r), m, limit), m, limit);
+            if let Some(d) = &r.durable_forwarder {
+                v = with_floor(v, m, d.added_p50_us as f64, limit, usf, DURABLE_FLOOR.into());
+            }
+            judge(v, m, limit);
+            let limit = 2.0 * (r.forwarder_added_p99_us as f64).max(P99_FLOOR_US);
+            let m = r.spillway_added_p99_us as f64;
+            let v = with_commits(
+                verdict(
+                    format!("added p99 at {rate} req/s ≤ 2× the forwarder's"),
+                    m,
+                    limit,
+                    usf,
+                    false,
+                ),
+                r,
+            );
+            let v = match &r.durable_forwarder {
+                Some(d) => with_floor(v, m, d.added_p99_us as f64, limit, usf, DURABLE_FLOOR.into()),
+                None => sync_floor(v, m, limit),
+            };
+            judge(v, m, limit);
         } else {
             // Sustained: nothing failed, the answers kept pace with the offered rate, and the
             // generator itself kept its schedule (else the rate was never offered).
