@@ -850,12 +850,16 @@ struct Verdict {
     limit: String,
     /// What this machine puts under the measure (over it, for a throughput: a ceiling),
     /// since every request waits for a synced commit before its upstream call (I3): the
-    /// forwarder with such a commit, measured, or the disk's sync, estimated.
+    /// forwarder with such a commit, measured in the same phase.
     #[serde(skip_serializing_if = "Option::is_none")]
     floor: Option<String>,
-    /// Missed, with the floor (or ceiling) itself past the limit: it alone accounts for the
-    /// miss.
+    /// Missed, with the floor (or ceiling) itself past the limit: no gateway that waits for
+    /// the same synced commit would meet the limit on this machine. Not that the floor
+    /// accounts for all of the miss: the measure may be far past the floor too.
     under_floor: bool,
+    /// A lower bound (a throughput), not an upper one.
+    #[serde(skip)]
+    at_least: bool,
 }
 
 /// Spillway at a fixed rate with an `Idempotency-Key` on every request (I2), beside the
@@ -1224,12 +1228,15 @@ fn verdict(target: String, measured: f64, limit: f64, show: impl Fn(f64) -> Stri
         limit: format!("{} {}", if floor { "≥" } else { "≤" }, show(limit)),
         floor: None,
         under_floor: false,
+        at_least: floor,
     }
 }
 
 /// An upper-bounded verdict with the floor under its measure: `floor` in the measure's
-/// unit, `why` what it is made of. Only a measure that itself missed the limit is blamed
-/// on the floor (a 5,000 req/s line can miss on failures alone).
+/// unit, `why` what it is made of. The limit is said to lie past the floor only when the
+/// measure missed it (a 5,000 req/s line can miss on failures alone) and the floor is no
+/// more than the measure (a floor above the gateway's own figure measured something else,
+/// a stall most likely).
 fn with_floor(
     mut v: Verdict,
     measured: f64,
@@ -1238,7 +1245,7 @@ fn with_floor(
     show: impl Fn(f64) -> String,
     why: String,
 ) -> Verdict {
-    v.under_floor = measured > limit && floor > limit;
+    v.under_floor = measured > limit && floor > limit && floor <= measured;
     v.floor = Some(format!("floor {}: {why}", show(floor)));
     v
 }
@@ -1262,7 +1269,7 @@ fn verdict_line(v: &Verdict, measured: f64, limit: f64) -> String {
             "—".into()
         };
         let floor = match &v.floor {
-            Some(f) if v.under_floor && v.limit.starts_with('≥') => {
+            Some(f) if v.under_floor && v.at_least => {
                 format!("; the limit is over this machine's {f}")
             }
             Some(f) if v.under_floor => format!("; the limit is under this machine's {f}"),
@@ -1416,7 +1423,9 @@ async fn main() -> Result<()> {
         let g = measured.pop().context("spillway")?;
         let f = measured.pop().context("forwarder")?;
         // After the gateway, so that its figures are taken as they were before this
-        // yardstick existed.
+        // yardstick existed, and a second later, so that nothing the gateway still does
+        // for its phase (its last records' commit) falls into this one.
+        tokio::time::sleep(Duration::from_secs(1)).await;
         let durable = {
             let m = Meter::start(&durable_forwarder, tck);
             let lat = fixed_rate_with(
@@ -1456,6 +1465,9 @@ async fn main() -> Result<()> {
     );
     let mut closed = Vec::new();
     for t in [&direct, &forwarder, &spillway, &durable_forwarder] {
+        if t.pid == durable_forwarder.pid {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
         let m = Meter::start(t, tck);
         let rps = max_throughput(&client, &t.url("bench"), key, args.concurrency, secs).await;
         let cpu = m.finish(fixed_zero(), (rps * secs as f64) as u64).cpu_us_per_request;
@@ -1692,25 +1704,26 @@ async fn main() -> Result<()> {
         println!(
             "\nthe floor under the gateway: the forwarder with a synced SQLite commit (sqlx, WAL, synchronous=FULL) before each upstream call\n"
         );
-        println!("| kind | req/s | added p50 | added p99 | CPU per request (of which SQLite thread) | failed |");
-        println!("|---|---|---|---|---|---|");
+        println!(
+            "| kind | req/s | achieved | added p50 | added p99 | CPU per request (of which SQLite thread) | failed |"
+        );
+        println!("|---|---|---|---|---|---|---|");
         for r in &rows {
-            {
-                let (d, m) = (&r.durable_forwarder, &r.durable_forwarder.measured);
-                println!(
-                    "| {} | {} | {} | {} | {} | {} |",
-                    r.kind,
-                    r.rate_rps,
-                    signed_us(d.added_p50_us),
-                    signed_us(d.added_p99_us),
-                    match (m.cpu_us_per_request, m.ledger_cpu_us_per_request) {
-                        (Some(c), Some(l)) => format!("{c:.0} µs ({l:.0})"),
-                        (Some(c), None) => format!("{c:.0} µs"),
-                        _ => "?".into(),
-                    },
-                    m.lat.failed
-                );
-            }
+            let (d, m) = (&r.durable_forwarder, &r.durable_forwarder.measured);
+            println!(
+                "| {} | {} | {:.0} | {} | {} | {} | {} |",
+                r.kind,
+                r.rate_rps,
+                m.lat.achieved_rps,
+                signed_us(d.added_p50_us),
+                signed_us(d.added_p99_us),
+                match (m.cpu_us_per_request, m.ledger_cpu_us_per_request) {
+                    (Some(c), Some(l)) => format!("{c:.0} µs ({l:.0})"),
+                    (Some(c), None) => format!("{c:.0} µs"),
+                    _ => "?".into(),
+                },
+                m.lat.failed
+            );
         }
     }
     println!(
@@ -1722,6 +1735,13 @@ async fn main() -> Result<()> {
         ratio(closed_loop.spillway_rps, closed_loop.forwarder_rps),
         closed_loop.durable_forwarder_rps,
         ratio(closed_loop.durable_forwarder_rps, closed_loop.forwarder_rps)
+    );
+    let cpu = |c: Option<f64>| c.map_or("?".into(), |c| format!("{c:.0} µs"));
+    println!(
+        "closed loop, CPU per request: forwarder {}, spillway {}, forwarder with a synced commit {}",
+        cpu(closed_loop.forwarder_cpu_us_per_request),
+        cpu(closed_loop.spillway_cpu_us_per_request),
+        cpu(closed_loop.durable_forwarder_cpu_us_per_request)
     );
     println!(
         "idle RSS: forwarder {}, spillway {} ({} after the load)",
@@ -1898,16 +1918,36 @@ async fn main() -> Result<()> {
     let p99_floor = |v: Verdict, r: &Row, measured: f64, limit: f64| {
         let d = &r.durable_forwarder;
         let l = &d.measured.lat;
-        let kept = l.failed == 0 && l.achieved_rps >= 0.98 * r.rate_rps as f64;
-        let why = if kept {
-            DURABLE_FLOOR.to_owned()
+        // Held to what the gateway's "sustained" is held to.
+        let kept = l.failed == 0 && l.achieved_rps >= 0.98 * r.rate_rps as f64 && l.send_lag_p99_us < 5_000;
+        // A p99 ten times the p50 and over 10 ms is a stall the floor's own phase met (the
+        // disk's, or the host's), not what a synced commit costs.
+        let stalled = l.p99_us > 10 * l.p50_us && l.p99_us > 10_000;
+        let v = with_floor(v, measured, d.added_p99_us as f64, limit, usf, DURABLE_FLOOR.to_owned());
+        let caveat = if !kept {
+            Some(format!(
+                "which itself did not keep the rate: {:.0} req/s achieved, {} failed, generator lag p99 {}",
+                l.achieved_rps,
+                l.failed,
+                us(l.send_lag_p99_us)
+            ))
+        } else if stalled {
+            Some(format!(
+                "whose own p99 ({}) is over ten times its p50 ({}): a stall, not taken as the floor",
+                us(l.p99_us),
+                us(l.p50_us)
+            ))
         } else {
-            format!(
-                "{DURABLE_FLOOR}, which itself fell behind ({:.0} req/s achieved, {} failed)",
-                l.achieved_rps, l.failed
-            )
+            None
         };
-        with_floor(v, measured, d.added_p99_us as f64, limit, usf, why)
+        match caveat {
+            Some(c) => Verdict {
+                floor: v.floor.map(|f| format!("{f}, {c}")),
+                under_floor: false,
+                ..v
+            },
+            None => v,
+        }
     };
     for r in rows.iter().filter(|r| r.kind == "non-streaming") {
         let rate = r.rate_rps;
@@ -2009,7 +2049,9 @@ async fn main() -> Result<()> {
     // A throughput has a ceiling, not a floor: what the forwarder makes of the same
     // connections once each request waits for a synced commit.
     let ceiling = closed_loop.durable_forwarder_rps;
-    v.under_floor = !v.met && ceiling < limit;
+    // Only answers count, so a forwarder whose commits failed would make a "ceiling" under
+    // the gateway's own throughput: that is no ceiling.
+    v.under_floor = !v.met && ceiling < limit && ceiling >= m;
     v.floor = Some(format!("ceiling {ceiling:.0} req/s: {DURABLE_FLOOR}"));
     judge(v, m, limit);
     let kib = |v: f64| format!("{:.1} MiB", v / 1024.0);
