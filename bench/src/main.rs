@@ -860,6 +860,10 @@ struct Verdict {
     /// A lower bound (a throughput), not an upper one.
     #[serde(skip)]
     at_least: bool,
+    /// Why the line is neither met nor missed: its limit comes from a yardstick whose own
+    /// phase stalled.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unjudged: Option<String>,
 }
 
 /// Spillway at a fixed rate with an `Idempotency-Key` on every request (I2), beside the
@@ -1229,6 +1233,7 @@ fn verdict(target: String, measured: f64, limit: f64, show: impl Fn(f64) -> Stri
         floor: None,
         under_floor: false,
         at_least: floor,
+        unjudged: None,
     }
 }
 
@@ -1260,7 +1265,12 @@ fn with_commits(mut v: Verdict, r: &Row) -> Verdict {
 }
 
 fn verdict_line(v: &Verdict, measured: f64, limit: f64) -> String {
-    if v.met {
+    if let Some(why) = &v.unjudged {
+        format!(
+            "verdict: {}: NOT JUDGED ({why}; {}, limit {})",
+            v.target, v.measured, v.limit
+        )
+    } else if v.met {
         format!("verdict: {}: met ({}, limit {})", v.target, v.measured, v.limit)
     } else {
         let by = if limit > 0.0 {
@@ -1912,6 +1922,10 @@ async fn main() -> Result<()> {
     // A forwarder's added p99 within the noise of zero would make any limit on a multiple
     // of it meaningless; 100 µs is the least it is taken as.
     const P99_FLOOR_US: f64 = 100.0;
+    // A limit that is a multiple of the forwarder's added p99 means nothing when the
+    // forwarder's own phase stalled (bench-1796409806: its p99 of 11.3 ms set the 5,000
+    // req/s line's limit at 34 ms, and the gateway "met" it): such a line is not judged.
+    let yardstick = |v: Verdict, r: &Row| unjudged_on_stall(v, &r.forwarder.lat);
     // The forwarder with a synced commit's added p99 in the same phase (and whether it kept
     // the rate itself, when it did not). A difference of two p99s, not the p99 of what was
     // added: a floor for the measure as it is taken.
@@ -1920,9 +1934,7 @@ async fn main() -> Result<()> {
         let l = &d.measured.lat;
         // Held to what the gateway's "sustained" is held to.
         let kept = l.failed == 0 && l.achieved_rps >= 0.98 * r.rate_rps as f64 && l.send_lag_p99_us < 5_000;
-        // A p99 ten times the p50 and over 10 ms is a stall the floor's own phase met (the
-        // disk's, or the host's), not what a synced commit costs.
-        let stalled = l.p99_us > 10 * l.p50_us && l.p99_us > 10_000;
+        let stalled = stalled(l);
         let v = with_floor(v, measured, d.added_p99_us as f64, limit, usf, DURABLE_FLOOR.to_owned());
         let caveat = if !kept {
             Some(format!(
@@ -2000,7 +2012,7 @@ async fn main() -> Result<()> {
                 ),
                 r,
             );
-            judge(p99_floor(v, r, m, limit), m, limit);
+            judge(yardstick(p99_floor(v, r, m, limit), r), m, limit);
         } else {
             // Sustained: nothing failed, the answers kept pace with the offered rate, and the
             // generator itself kept its schedule (else the rate was never offered).
@@ -2024,7 +2036,7 @@ async fn main() -> Result<()> {
                 us(r.spillway.lat.send_lag_p99_us),
                 v.measured
             );
-            judge(p99_floor(with_commits(v, r), r, m, limit), m, limit);
+            judge(yardstick(p99_floor(with_commits(v, r), r, m, limit), r), m, limit);
         }
     }
     for r in rows.iter().filter(|r| r.kind == "streaming TTFT") {
@@ -2110,12 +2122,18 @@ async fn main() -> Result<()> {
     for l in &lines {
         println!("{l}");
     }
-    let missed = verdicts.iter().filter(|v| !v.met).count();
+    let unjudged = verdicts.iter().filter(|v| v.unjudged.is_some()).count();
+    let missed = verdicts.iter().filter(|v| !v.met && v.unjudged.is_none()).count();
     let under_floor = verdicts.iter().filter(|v| !v.met && v.under_floor).count();
     println!(
-        "verdict: {} of {} targets met{}",
-        verdicts.len() - missed,
+        "verdict: {} of {} targets met{}{}",
+        verdicts.len() - missed - unjudged,
         verdicts.len(),
+        if unjudged > 0 {
+            format!(", {unjudged} not judged")
+        } else {
+            String::new()
+        },
         match (missed, under_floor) {
             (0, _) => String::new(),
             (_, 0) => " (see the MISSED lines)".into(),
@@ -2265,6 +2283,27 @@ async fn fleet_run(
 }
 
 /// Latency figures for a phase that measures throughput only.
+/// A p99 ten times the p50 and over 10 ms: a stall the phase met (the disk's or the
+/// host's), not what the process measured costs.
+fn stalled(l: &Percentiles) -> bool {
+    l.p99_us > 10 * l.p50_us && l.p99_us > 10_000
+}
+
+/// A verdict whose limit is a multiple of the forwarder's p99 (`fwd`), left unjudged when
+/// that p99 is a stall.
+fn unjudged_on_stall(mut v: Verdict, fwd: &Percentiles) -> Verdict {
+    if stalled(fwd) {
+        v.met = false;
+        v.under_floor = false;
+        v.unjudged = Some(format!(
+            "the forwarder's own p99 in this phase ({}, p50 {}) is a stall, so no limit is taken from it",
+            us(fwd.p99_us),
+            us(fwd.p50_us)
+        ));
+    }
+    v
+}
+
 fn fixed_zero() -> Percentiles {
     Percentiles {
         p50_us: 0,
@@ -2276,5 +2315,59 @@ fn fixed_zero() -> Percentiles {
         achieved_rps: 0.0,
         attempts_per_request: 0.0,
         send_lag_p99_us: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lat(p50_us: u64, p99_us: u64) -> Percentiles {
+        Percentiles {
+            p50_us,
+            p99_us,
+            ..fixed_zero()
+        }
+    }
+
+    #[test]
+    fn a_limit_from_a_stalled_forwarder_is_not_judged() {
+        // bench-1796409806's 5,000 req/s phase: the forwarder's p99 of 11.7 ms against a
+        // p50 of 334 µs set a limit the gateway's 12.2 ms "met".
+        let v = verdict("5000 req/s sustained".into(), 12_200.0, 34_000.0, us_f, false);
+        assert!(v.met);
+        let v = unjudged_on_stall(v, &lat(334, 11_700));
+        assert!(!v.met && v.unjudged.is_some());
+        let line = verdict_line(&v, 12_200.0, 34_000.0);
+        assert!(line.contains("NOT JUDGED") && line.contains("11.7 ms"), "{line}");
+        // A forwarder's ordinary tail is a limit like any other.
+        let v = verdict("p99".into(), 900.0, 1_000.0, us_f, false);
+        let v = unjudged_on_stall(v, &lat(300, 700));
+        assert!(v.met && v.unjudged.is_none());
+        // Nor is a slow but steady one (p99 over 10 ms but not ten times its p50) a stall.
+        assert!(!stalled(&lat(2_000, 15_000)));
+    }
+
+    #[test]
+    fn a_floor_above_the_gateways_figure_excuses_nothing() {
+        let v = verdict("p99".into(), 1_200.0, 1_000.0, us_f, false);
+        // Under the floor: the limit is past what the synced commit alone costs.
+        let under = with_floor(
+            verdict("p99".into(), 1_200.0, 1_000.0, us_f, false),
+            1_200.0,
+            1_100.0,
+            1_000.0,
+            us_f,
+            "x".into(),
+        );
+        assert!(under.under_floor);
+        assert!(verdict_line(&under, 1_200.0, 1_000.0).contains("under this machine's floor"));
+        // A "floor" above the gateway's own figure measured something else.
+        let above = with_floor(v, 1_200.0, 5_000.0, 1_000.0, us_f, "x".into());
+        assert!(!above.under_floor);
+    }
+
+    fn us_f(v: f64) -> String {
+        us(v as u64)
     }
 }
