@@ -430,8 +430,16 @@ pub(crate) const fn width(list: &str) -> usize {
 pub(crate) const REQUEST_WIDTH: usize = width(REQUEST_COLUMNS);
 pub(crate) const ATTEMPT_WIDTH: usize = width(ATTEMPT_COLUMNS);
 pub(crate) const PAYLOAD_WIDTH: usize = width(PAYLOAD_COLUMNS);
-/// Values a batch row binds: its kind and every column of the three row kinds.
-pub(crate) const ROW_WIDTH: usize = 1 + REQUEST_WIDTH + ATTEMPT_WIDTH + PAYLOAD_WIDTH;
+const fn max(a: usize, b: usize) -> usize {
+    if a > b { a } else { b }
+}
+
+/// Values a batch row binds: its kind, then its own columns in the view's shared value
+/// columns, the rest NULL. The three kinds share the columns rather than each having its
+/// own: a row bound 69 values, two in three of them NULL, and binding, clearing and the
+/// trigger's copy of the new row all cost per value (a sixth of the SQLite thread's
+/// time and a twentieth of the request thread's went to binding).
+pub(crate) const ROW_WIDTH: usize = 1 + max(REQUEST_WIDTH, max(ATTEMPT_WIDTH, PAYLOAD_WIDTH));
 
 /// The writer connection's own view that a whole batch is inserted into, as one
 /// statement: its trigger upserts each request row and inserts each attempt row. A
@@ -440,14 +448,12 @@ pub(crate) const ROW_WIDTH: usize = 1 + REQUEST_WIDTH + ATTEMPT_WIDTH + PAYLOAD_
 /// one. It commits (and syncs) in autocommit, all rows or none.
 static BATCH_VIEW: LazyLock<String> = LazyLock::new(|| {
     let names: Vec<String> = std::iter::once("kind".to_owned())
-        .chain(columns(REQUEST_COLUMNS).map(|c| format!("r_{c}")))
-        .chain(columns(ATTEMPT_COLUMNS).map(|c| format!("a_{c}")))
-        .chain(columns(PAYLOAD_COLUMNS).map(|c| format!("p_{c}")))
+        .chain((1..ROW_WIDTH).map(|i| format!("v{i}")))
         .collect();
     let nulls = vec!["NULL"; names.len()].join(", ");
-    let new = |prefix: &str, list: &str| {
-        columns(list)
-            .map(|c| format!("NEW.{prefix}_{c}"))
+    let new = |list: &str| {
+        (1..=columns(list).count())
+            .map(|i| format!("NEW.v{i}"))
             .collect::<Vec<_>>()
             .join(", ")
     };
@@ -459,9 +465,9 @@ static BATCH_VIEW: LazyLock<String> = LazyLock::new(|| {
          INSERT OR REPLACE INTO payloads ({PAYLOAD_COLUMNS}) SELECT {p} WHERE NEW.kind = 'p';\n\
          END;",
         names = names.join(", "),
-        r = new("r", REQUEST_COLUMNS),
-        a = new("a", ATTEMPT_COLUMNS),
-        p = new("p", PAYLOAD_COLUMNS),
+        r = new(REQUEST_COLUMNS),
+        a = new(ATTEMPT_COLUMNS),
+        p = new(PAYLOAD_COLUMNS),
         upsert = &*REQUEST_UPSERT,
     )
 });
@@ -487,17 +493,15 @@ fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
             BatchRow::Request(r) => {
                 put(&mut args, "r");
                 bind_request(&mut args, r);
-                nulls(&mut args, ATTEMPT_WIDTH + PAYLOAD_WIDTH);
+                nulls(&mut args, ROW_WIDTH - 1 - REQUEST_WIDTH);
             }
             BatchRow::Attempt(a) => {
                 put(&mut args, "a");
-                nulls(&mut args, REQUEST_WIDTH);
                 bind_attempt(&mut args, a);
-                nulls(&mut args, PAYLOAD_WIDTH);
+                nulls(&mut args, ROW_WIDTH - 1 - ATTEMPT_WIDTH);
             }
             BatchRow::Payload(p) => {
                 put(&mut args, "p");
-                nulls(&mut args, REQUEST_WIDTH + ATTEMPT_WIDTH);
                 let r = p.response.as_ref();
                 put(&mut args, p.request_id.as_str());
                 put(&mut args, p.expires_at.0);
@@ -505,6 +509,7 @@ fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
                 put(&mut args, r.map(|r| i64::from(r.status)));
                 put(&mut args, r.map(|r| r.content_type.as_str()));
                 put(&mut args, r.map(|r| r.body.as_slice()));
+                nulls(&mut args, ROW_WIDTH - 1 - PAYLOAD_WIDTH);
             }
         }
     }
