@@ -28,7 +28,7 @@ use sqlx::{
 };
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::{LazyLock, OnceLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::Duration;
 use tokio::sync::Mutex;
 
@@ -492,23 +492,23 @@ fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
     for row in rows {
         match row {
             BatchRow::Request(r) => {
-                put(&mut args, "r");
+                put(&mut args, fixed("r"));
                 bind_request(&mut args, r);
                 nulls(&mut args, ROW_WIDTH - 1 - REQUEST_WIDTH);
             }
             BatchRow::Attempt(a) => {
-                put(&mut args, "a");
+                put(&mut args, fixed("a"));
                 bind_attempt(&mut args, a);
                 nulls(&mut args, ROW_WIDTH - 1 - ATTEMPT_WIDTH);
             }
             BatchRow::Payload(p) => {
-                put(&mut args, "p");
+                put(&mut args, fixed("p"));
                 let r = p.response.as_ref();
-                put(&mut args, p.request_id.as_str());
+                put(&mut args, text(p.request_id.as_str()));
                 put(&mut args, p.expires_at.0);
                 put(&mut args, p.request_body.as_deref());
                 put(&mut args, r.map(|r| i64::from(r.status)));
-                put(&mut args, r.map(|r| r.content_type.as_str()));
+                put(&mut args, r.map(|r| text(r.content_type.as_str())));
                 put(&mut args, r.map(|r| r.body.as_slice()));
                 nulls(&mut args, ROW_WIDTH - 1 - PAYLOAD_WIDTH);
             }
@@ -531,25 +531,50 @@ async fn insert_chunk(conn: &mut SqliteConnection, rows: &[BatchRow<'_>]) -> Res
     Ok(())
 }
 
+/// Text to bind, in one allocation: sqlx's own `&str` encoding makes an `Arc<String>`
+/// (two allocations and a copy), and each is freed again on sqlx's thread after the
+/// statement. SQLite copies the text in any case when it is bound.
+fn text(s: &str) -> Arc<str> {
+    Arc::from(s)
+}
+
+/// A fixed name (a state, a class, a decision) to bind: shared, so binding one costs no
+/// allocation. The writer runs on few threads and the names are few, so each thread keeps
+/// its own, keyed by the name's address.
+fn fixed(s: &'static str) -> Arc<str> {
+    thread_local! {
+        static NAMES: std::cell::RefCell<Vec<(usize, Arc<str>)>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    NAMES.with_borrow_mut(|names| {
+        let at = s.as_ptr() as usize;
+        if let Some((_, name)) = names.iter().find(|(p, n)| *p == at && n.len() == s.len()) {
+            return name.clone();
+        }
+        let name: Arc<str> = Arc::from(s);
+        names.push((at, name.clone()));
+        name
+    })
+}
+
 fn bind_request(b: &mut SqliteArguments, r: &RequestRecord) {
-    put(b, r.id.as_str());
-    put(b, r.trace_id.as_str());
-    put(b, r.client_request_id.as_deref());
-    put(b, r.upstream_request_id.as_deref());
-    put(b, r.key_name.as_deref());
-    put(b, r.owner.as_deref());
-    put(b, r.workflow.as_deref());
-    put(b, r.format.as_str());
-    put(b, r.endpoint.as_str());
-    put(b, r.route.as_deref());
-    put(b, r.channel.as_deref());
-    put(b, r.requested_model.as_deref());
-    put(b, r.served_model.as_deref());
+    put(b, text(r.id.as_str()));
+    put(b, text(r.trace_id.as_str()));
+    put(b, r.client_request_id.as_deref().map(text));
+    put(b, r.upstream_request_id.as_deref().map(text));
+    put(b, r.key_name.as_deref().map(text));
+    put(b, r.owner.as_deref().map(text));
+    put(b, r.workflow.as_deref().map(text));
+    put(b, fixed(r.format.as_str()));
+    put(b, text(r.endpoint.as_str()));
+    put(b, r.route.as_deref().map(text));
+    put(b, r.channel.as_deref().map(text));
+    put(b, r.requested_model.as_deref().map(text));
+    put(b, r.served_model.as_deref().map(text));
     put(b, r.stream);
-    put(b, r.state.as_str());
+    put(b, fixed(r.state.as_str()));
     put(b, r.http_status.map(i64::from));
-    put(b, r.error_class.map(FailureClass::as_str));
-    put(b, r.error_message.as_deref());
+    put(b, r.error_class.map(FailureClass::as_str).map(fixed));
+    put(b, r.error_message.as_deref().map(text));
     put(b, i(r.input_tokens));
     put(b, i(r.output_tokens));
     put(b, i(r.cached_input_tokens));
@@ -561,41 +586,41 @@ fn bind_request(b: &mut SqliteArguments, r: &RequestRecord) {
     put(b, r.finished_at.map(|t| t.0));
     put(b, i(r.queued_ms));
     put(b, i64::from(r.attempts));
-    put(b, r.body_sha256.as_deref());
+    put(b, r.body_sha256.as_deref().map(text));
     put(b, r.partial_output_committed);
     put(b, r.next_ready_at.map(|t| t.0));
-    put(b, r.idempotency_key.as_deref());
-    put(b, r.replay_of.as_deref());
-    put(b, r.response_id.as_deref());
+    put(b, r.idempotency_key.as_deref().map(text));
+    put(b, r.replay_of.as_deref().map(text));
+    put(b, r.response_id.as_deref().map(text));
     put(b, i(r.cache_write_tokens));
     put(b, i(r.estimated_input_tokens));
     put(b, r.estimated_cost_usd);
     put(b, r.failed_cost_usd);
-    put(b, r.pricing_version.as_deref());
-    put(b, r.policy_version.as_deref());
-    put(b, r.job_id.as_deref());
+    put(b, r.pricing_version.as_deref().map(text));
+    put(b, r.policy_version.as_deref().map(text));
+    put(b, r.job_id.as_deref().map(text));
 }
 
 fn bind_attempt(b: &mut SqliteArguments, a: &AttemptRecord) {
-    put(b, a.request_id.as_str());
+    put(b, text(a.request_id.as_str()));
     put(b, i64::from(a.attempt_no));
-    put(b, a.channel.as_str());
-    put(b, a.upstream_request_id.as_deref());
+    put(b, text(a.channel.as_str()));
+    put(b, a.upstream_request_id.as_deref().map(text));
     put(b, a.http_status.map(i64::from));
-    put(b, a.error_class.as_str());
-    put(b, a.provider_error_type.as_deref());
+    put(b, fixed(a.error_class.as_str()));
+    put(b, a.provider_error_type.as_deref().map(text));
     put(b, i(a.retry_after_ms));
-    put(b, a.message.as_deref());
+    put(b, a.message.as_deref().map(text));
     put(b, a.started_at.0);
     put(b, a.first_byte_at.map(|t| t.0));
     put(b, a.finished_at.map(|t| t.0));
     put(b, i(a.input_tokens));
     put(b, i(a.output_tokens));
-    put(b, a.decision.map(Decision::as_str));
-    put(b, a.decision_reason.map(StopReason::as_str));
+    put(b, a.decision.map(Decision::as_str).map(fixed));
+    put(b, a.decision_reason.map(StopReason::as_str).map(fixed));
     put(b, i(a.delay_ms));
     put(b, a.ready_at.map(|t| t.0));
-    put(b, a.visibility.map(Visibility::as_str));
+    put(b, a.visibility.map(Visibility::as_str).map(fixed));
     put(b, a.cost_usd);
 }
 
