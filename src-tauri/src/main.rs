@@ -14,6 +14,11 @@ use std::time::Duration;
 use tauri::tray::TrayIconBuilder;
 use tauri::{Manager, WebviewUrl, WebviewWindowBuilder};
 
+/// The engine's allocator, as in `spillway serve` (see spillway-cli's main): a request
+/// allocates and frees many small objects, some on another thread than made them.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
@@ -40,6 +45,7 @@ async fn start_engine() -> Result<Launched> {
 }
 
 fn main() -> Result<()> {
+    spillway_cli::memory::no_huge_pages();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(false)
@@ -49,13 +55,12 @@ fn main() -> Result<()> {
         .map(|v| spillway_cli::launch::parse_workers(&v))
         .transpose()
         .map_err(|e| anyhow::anyhow!("SPILLWAY_WORKERS: {e}"))?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(spillway_cli::launch::request_threads(
-            asked,
-            spillway_cli::launch::sqlite_ledger(env("SPILLWAY_CONFIG").map(PathBuf::from).as_deref(), None),
-        ))
-        .enable_all()
-        .build()?;
+    // The same runtime as `spillway serve`: its request threads, and the hook that gives
+    // freed memory back once a thread goes idle.
+    let rt = spillway_cli::memory::runtime(spillway_cli::launch::request_threads(
+        asked,
+        spillway_cli::launch::sqlite_ledger(env("SPILLWAY_CONFIG").map(PathBuf::from).as_deref(), None),
+    ))?;
     let engine = rt.block_on(start_engine())?;
     let url = format!("{}/#token={}", engine.url, engine.token.secret());
     let state = engine.running.state.clone();

@@ -4,47 +4,16 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use spillway_cli::launch::{self, Launch};
 use spillway_cli::signals::Signals;
-use std::cell::Cell;
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// mimalloc rather than glibc's malloc: a request allocates and frees many small objects,
 /// some on another thread than made them (records handed to the ledger's), and glibc
 /// spent a tenth of the gateway's CPU on that at 2,000 req/s (see the commit).
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-/// Gives what the allocator has freed back to the system once a request thread goes idle.
-///
-/// mimalloc returns a freed page to the system a second after it was freed, but only when
-/// a later allocation or free on the same thread notices that the second has passed. A
-/// gateway that goes quiet after a burst makes no such call, so what the burst freed stayed
-/// resident for good: 2,000 connections that each made a request and closed left the RSS
-/// at 49 MiB, from 16 (18 with this). Run as the runtime parks a worker thread, at most
-/// once a second per thread, so a busy one pays for it once a second. The engine's
-/// once-a-second tick wakes the thread that drives the runtime's timers, whose next park
-/// returns what its last freed, and purges the pages any thread gave back (arenas are
-/// process-wide). With more than one request thread, one the tick does not wake keeps the
-/// pages it freed in its last busy second until it next runs.
-fn collect_freed_memory() {
-    thread_local!(static LAST: Cell<Option<Instant>> = const { Cell::new(None) });
-    let now = Instant::now();
-    if LAST
-        .get()
-        .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
-    {
-        return;
-    }
-    LAST.set(Some(now));
-    // SAFETY: mi_collect has no preconditions: it walks the calling thread's own heap and
-    // the arenas' free lists, under mimalloc's own synchronisation.
-    #[allow(unsafe_code)]
-    unsafe {
-        libmimalloc_sys::mi_collect(false)
-    };
-}
 
 #[derive(Parser)]
 #[command(
@@ -443,12 +412,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> Result<()> {
-    // mimalloc's arenas are 2 MiB aligned, so a kernel with transparent huge pages `always`
-    // on backs them with huge pages: idle RSS 34 MiB instead of 20. The gateway's memory is
-    // many small objects, which huge pages only inflate. A kernel without THP refuses the
-    // call, and then there is nothing to turn off.
-    #[cfg(target_os = "linux")]
-    let _ = rustix::thread::disable_transparent_huge_pages(true);
+    spillway_cli::memory::no_huge_pages();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -458,15 +422,18 @@ fn run() -> Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    let mut rt = tokio::runtime::Builder::new_multi_thread();
-    rt.on_thread_park(collect_freed_memory);
-    if let Command::Serve(args) = &cli.command {
-        let sqlite = launch::sqlite_ledger(args.config.as_deref(), args.ledger.as_deref());
-        let workers = launch::request_threads(args.workers, sqlite);
-        tracing::info!(workers, "request threads");
-        rt.worker_threads(workers);
-    }
-    let rt = rt.enable_all().build()?;
+    // `serve` sizes its request threads; the other commands (the simulator among them)
+    // keep tokio's default, a thread per core.
+    let workers = match &cli.command {
+        Command::Serve(args) => {
+            let sqlite = launch::sqlite_ledger(args.config.as_deref(), args.ledger.as_deref());
+            let workers = launch::request_threads(args.workers, sqlite);
+            tracing::info!(workers, "request threads");
+            workers
+        }
+        _ => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    let rt = spillway_cli::memory::runtime(workers)?;
     let result = rt.block_on(async {
         match cli.command {
             Command::Serve(args) => serve(args).await,
