@@ -214,7 +214,7 @@ fn ledger_commits(out: &mut String, h: &spillway_ledger::CommitHistogram) {
     }
     let _ = writeln!(
         out,
-        "# HELP {NAME} How long each successful ledger commit took (durable writes wait for theirs; a failing store shows in spillway_ledger_healthy).\n# TYPE {NAME} histogram"
+        "# HELP {NAME} How long each successful synced ledger commit took (durable writes wait for theirs; rows no request waits on are committed apart without a sync and not counted; a failing store shows in spillway_ledger_healthy).\n# TYPE {NAME} histogram"
     );
     for (le, n) in &h.cumulative {
         let le = if le.is_infinite() {

@@ -86,6 +86,23 @@ pub trait LedgerBackend: Send + Sync + 'static {
         attempts: &[AttemptRecord],
         payloads: &[Payload],
     ) -> Result<()>;
+    /// [`LedgerBackend::write_batch`] for rows no caller waits on, committed without
+    /// waiting for the disk: the commit survives a crash of the process at once, and a
+    /// power loss from the next synced commit or [`LedgerBackend::sync`] on, which make
+    /// every commit before them durable too. `Ok(false)` (the default) when the store
+    /// cannot commit so now; the caller then keeps the rows for a synced commit.
+    async fn write_batch_unsynced(
+        &self,
+        _requests: &[RequestRecord],
+        _attempts: &[AttemptRecord],
+        _payloads: &[Payload],
+    ) -> Result<bool> {
+        Ok(false)
+    }
+    /// Makes every commit so far durable (see [`LedgerBackend::write_batch_unsynced`]).
+    async fn sync(&self) -> Result<()> {
+        Ok(())
+    }
     async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>>;
     async fn attempts(&self, request_id: &str) -> Result<Vec<AttemptRecord>>;
     /// Newest-first page of requests matching `search`.

@@ -9,6 +9,13 @@
 //! build syncs with `fdatasync` (`LIBSQLITE3_FLAGS` in `.cargo/config.toml`), and the
 //! WAL restarts while small, so most commits overwrite frames in place and the sync
 //! writes no file-size change.
+//!
+//! Rows no caller waits on (a request's end, its attempts) are committed apart, on the
+//! maintenance connection at `synchronous=NORMAL` (see `write_batch_unsynced`): riding
+//! along with the next `calling_api` made that request's synced commit write and sync
+//! three or four WAL pages instead of one. Unsynced, they survive a killed process at
+//! once, and the next synced commit makes them durable with its own frames, the WAL
+//! being one file whoever wrote to it.
 
 use crate::jobs::JOB_COLUMNS;
 use crate::{
@@ -162,8 +169,12 @@ pub struct SqliteBackend {
     /// does, nothing is written, as a commit inside it would neither commit nor sync.
     writer: Mutex<(SqliteConnection, bool)>,
     readers: SqlitePool,
-    /// Checkpoints need a writable connection that is not the writer's.
+    /// Checkpoints need a writable connection that is not the writer's. It is also the
+    /// quiet writer: at `synchronous=NORMAL` it commits without syncing, for the rows no
+    /// caller waits on (see `write_batch_unsynced`).
     maintenance: Mutex<SqliteConnection>,
+    /// The WAL, opened on the first `sync`: syncing it is what a synced commit does last.
+    wal: std::sync::Mutex<Option<Arc<std::fs::File>>>,
     /// WAL size past which a checkpoint makes the WAL restart (see `maintain`).
     pub(crate) wal_restart_bytes: u64,
     /// The database file, for its size.
@@ -223,7 +234,11 @@ impl SqliteBackend {
         sqlx::raw_sql(AssertSqlSafe(BATCH_VIEW.as_str()))
             .execute(&mut writer)
             .await?;
-        let maintenance = SqliteConnection::connect_with(&base).await?;
+        // No automatic checkpoints here either: a quiet commit must not run one inline.
+        let mut maintenance = SqliteConnection::connect_with(&base.clone().pragma("wal_autocheckpoint", "0")).await?;
+        sqlx::raw_sql(AssertSqlSafe(BATCH_VIEW.as_str()))
+            .execute(&mut maintenance)
+            .await?;
         let readers = SqlitePoolOptions::new()
             .max_connections(4)
             .connect_with(base.read_only(true))
@@ -233,6 +248,7 @@ impl SqliteBackend {
             writer: Mutex::new((writer, false)),
             readers,
             maintenance: Mutex::new(maintenance),
+            wal: std::sync::Mutex::new(None),
             wal_restart_bytes: WAL_RESTART_BYTES,
             path: path.to_owned(),
         })
@@ -273,12 +289,35 @@ impl SqliteBackend {
         }
     }
 
+    /// The database's write-ahead log file.
+    fn wal_path(&self) -> PathBuf {
+        let mut wal = self.path.clone().into_os_string();
+        wal.push("-wal");
+        PathBuf::from(wal)
+    }
+
+    /// The WAL, kept open once opened. SQLite deletes the file only when its last
+    /// connection closes, and the writer's stays open as long as this backend, so the
+    /// handle never outlives the file it names. (Closing a descriptor drops the process's
+    /// POSIX locks on that file, but SQLite locks the database and `-shm` files, never
+    /// the WAL.)
+    fn wal_file(&self) -> Result<Arc<std::fs::File>> {
+        let mut wal = self.wal.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = &*wal {
+            return Ok(f.clone());
+        }
+        let path = self.wal_path();
+        let f = std::fs::File::open(&path)
+            .map(Arc::new)
+            .map_err(|e| Error::Unavailable(format!("cannot open the ledger's WAL {}: {e}", path.display())))?;
+        *wal = Some(f.clone());
+        Ok(f)
+    }
+
     /// The database and its write-ahead log, in bytes.
     fn file_bytes(&self) -> u64 {
         let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-        let mut wal = self.path.clone().into_os_string();
-        wal.push("-wal");
-        size(&self.path) + size(Path::new(&wal))
+        size(&self.path) + size(&self.wal_path())
     }
 }
 
@@ -947,6 +986,53 @@ impl LedgerBackend for SqliteBackend {
             *in_doubt = sqlx::query("ROLLBACK").execute(&mut *conn).await.is_err();
         }
         written
+    }
+
+    async fn write_batch_unsynced(
+        &self,
+        requests: &[RequestRecord],
+        attempts: &[AttemptRecord],
+        payloads: &[Payload],
+    ) -> Result<bool> {
+        let n = requests.len() + attempts.len() + payloads.len();
+        if n == 0 {
+            return Ok(true);
+        }
+        // One statement, in autocommit: the quiet connection never holds a transaction
+        // open, so a failed batch leaves nothing to roll back.
+        if n > ROWS_PER_STATEMENT {
+            return Ok(false);
+        }
+        // Held for the write: two connections writing at once would meet SQLite's busy
+        // handler, which sleeps.
+        let guard = self.writer.lock().await;
+        if guard.1 {
+            return Ok(false);
+        }
+        // A checkpoint holds the quiet connection, and `maintain` takes the writer after
+        // it: never wait for it here.
+        let Ok(mut quiet) = self.maintenance.try_lock() else {
+            return Ok(false);
+        };
+        let rows: Vec<BatchRow<'_>> = requests
+            .iter()
+            .map(BatchRow::Request)
+            .chain(attempts.iter().map(BatchRow::Attempt))
+            .chain(payloads.iter().map(BatchRow::Payload))
+            .collect();
+        insert_chunk(&mut quiet, &rows).await?;
+        drop(guard);
+        Ok(true)
+    }
+
+    async fn sync(&self) -> Result<()> {
+        // What a synced commit ends with: the WAL's data on disk. Any descriptor of the
+        // file will do, as the kernel syncs the file, not the descriptor.
+        let wal = self.wal_file()?;
+        tokio::task::spawn_blocking(move || wal.sync_data())
+            .await
+            .map_err(|e| Error::Unavailable(format!("the ledger's WAL sync did not finish: {e}")))?
+            .map_err(|e| Error::Unavailable(format!("cannot sync the ledger's WAL: {e}")))
     }
 
     async fn get_request(&self, id: &str) -> Result<Option<RequestRecord>> {
@@ -2348,6 +2434,38 @@ mod tests {
         ] {
             assert_eq!(columns(list).count(), w);
         }
+    }
+
+    #[tokio::test]
+    async fn unsynced_batches_commit_on_the_quiet_connection_unless_a_checkpoint_holds_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = SqliteBackend::open(&dir.path().join("ledger.db")).await.unwrap();
+        let mut att = AttemptRecord::started("a", 1, "ch", UnixMs(5));
+        att.error_class = ErrorClass::Success;
+        assert!(db.write_batch_unsynced(&[rec("a")], &[att.clone()], &[]).await.unwrap());
+        // Committed: the readers (other connections) see it.
+        assert_eq!(db.get_request("a").await.unwrap().unwrap().state, RequestState::Done);
+        assert_eq!(db.attempts("a").await.unwrap(), vec![att]);
+        // A checkpoint running: not now, and no waiting for it.
+        let held = db.maintenance.lock().await;
+        assert!(!db.write_batch_unsynced(&[rec("b")], &[], &[]).await.unwrap());
+        drop(held);
+        // More rows than one statement holds: not unsynced either.
+        let many: Vec<RequestRecord> = (0..=ROWS_PER_STATEMENT).map(|n| rec(&format!("m{n}"))).collect();
+        assert!(!db.write_batch_unsynced(&many, &[], &[]).await.unwrap());
+        assert!(db.get_request("b").await.unwrap().is_none());
+        // The synced writer and the quiet one take turns, and a checkpoint still runs.
+        db.write_batch(&many, &[], &[]).await.unwrap();
+        assert!(db.write_batch_unsynced(&[rec("b")], &[], &[]).await.unwrap());
+        db.sync().await.unwrap();
+        db.maintain().await.unwrap();
+        assert!(db.get_request("b").await.unwrap().is_some());
+        assert!(
+            db.get_request(&format!("m{ROWS_PER_STATEMENT}"))
+                .await
+                .unwrap()
+                .is_some()
+        );
     }
 
     #[tokio::test]
