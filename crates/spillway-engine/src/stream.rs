@@ -116,7 +116,7 @@ fn text_len(data: &str) -> usize {
     let start = KEYS
         .iter()
         .filter_map(|k| {
-            let after = data.find(k)? + k.len();
+            let after = memchr::memmem::find(data.as_bytes(), k.as_bytes())? + k.len();
             let rest = &data[after..];
             let value = rest.len() - rest.trim_start().len();
             rest[value..].starts_with('"').then_some(after + value + 1)
@@ -246,7 +246,7 @@ impl UsageStrip {
         let ends_whole = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
         // With usage asked for, OpenAI puts `"usage":null` on every chunk: only a chunk
         // with an empty choices list can be the usage chunk.
-        if self.pending.is_empty() && ends_whole && !chunk.windows(12).any(|w| w == b"\"choices\":[]") {
+        if self.pending.is_empty() && ends_whole && memchr::memmem::find(&chunk, b"\"choices\":[]").is_none() {
             return chunk;
         }
         self.pending.extend_from_slice(&chunk);
@@ -276,8 +276,8 @@ impl UsageStrip {
 
 /// The end (exclusive) of the first event in `b`: just past its blank line.
 fn next_boundary(b: &[u8]) -> Option<usize> {
-    let lf = b.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = b.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    let lf = memchr::memmem::find(b, b"\n\n").map(|i| i + 2);
+    let crlf = memchr::memmem::find(b, b"\r\n\r\n").map(|i| i + 4);
     match (lf, crlf) {
         (Some(a), Some(c)) => Some(a.min(c)),
         (a, c) => a.or(c),
@@ -286,8 +286,8 @@ fn next_boundary(b: &[u8]) -> Option<usize> {
 
 /// The end (exclusive) of the last complete event in `b`.
 fn find_last_boundary(b: &[u8]) -> Option<usize> {
-    let lf = b.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = b.windows(4).rposition(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    let lf = memchr::memmem::rfind(b, b"\n\n").map(|i| i + 2);
+    let crlf = memchr::memmem::rfind(b, b"\r\n\r\n").map(|i| i + 4);
     lf.max(crlf)
 }
 
@@ -683,6 +683,28 @@ async fn drain(mut a: Active, idle: Duration) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn m2_the_usage_chunk_is_taken_out_however_the_stream_is_cut() {
+        // spec: M2
+        let text = "data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}],\"usage\":null}\n\n";
+        let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\r\n\r\n";
+        let done = "data: [DONE]\n\n";
+        let stream = format!("{text}{usage}{done}");
+        let want = format!("{text}{done}");
+        for cut in 0..=stream.len() {
+            let mut strip = super::UsageStrip::default();
+            let mut out = Vec::new();
+            for part in [&stream[..cut], &stream[cut..]] {
+                out.extend_from_slice(&strip.push(bytes::Bytes::copy_from_slice(part.as_bytes())));
+            }
+            out.extend_from_slice(&strip.finish());
+            assert_eq!(String::from_utf8(out).unwrap(), want, "cut at {cut}");
+        }
+        // A chunk with no usage-only event passes through as it came.
+        let mut strip = super::UsageStrip::default();
+        assert_eq!(&strip.push(bytes::Bytes::from(text))[..], text.as_bytes());
+    }
 
     #[test]
     fn m2_the_text_of_an_event_is_measured_in_every_format() {
