@@ -875,9 +875,30 @@ mod tests {
             "emoji  🎉🚀  👍🏽",
             "\t",
             " \t \t",
+            // Whitespace of every kind Rust and the regex both call whitespace, and the
+            // characters either side of the look-ahead.
+            "a\u{85}\u{85}b",
+            "a\u{2028}\u{2028}b",
+            "a \u{2028}\n b",
+            "a\u{b}\u{c} b",
+            "x \u{85}!",
+            "\u{a0}!",
+            "a  !",
+            "a\t\t!",
+            "a  1",
+            "a  \u{301}",
+            "\r\r  b",
+            "A  'S",
+            "x\u{180e}\u{180e}y",
+            "x\u{200b}\u{200b} \u{feff}y",
         ];
         for text in texts {
             assert_eq!(our_pieces(text), tiktoken_pieces(text), "{text:?}");
+            assert_eq!(
+                our_pieces(text).concat(),
+                text,
+                "{text:?}: the pieces are the whole text"
+            );
         }
     }
 
@@ -887,10 +908,11 @@ mod tests {
         fn m3_any_text_splits_as_tiktoken_splits_it(
             // What the split turns on: spaces of several kinds and line breaks beside
             // letters of every case, marks, digits, apostrophes and symbols.
-            text in "[ \t\n\r\u{a0}\u{3000}\u{2003}aZǅſ'sStT\u{301}09٣!?/.日🎉x]{0,40}"
+            text in "[ \t\n\r\u{a0}\u{3000}\u{2003}\u{85}\u{2028}\u{2029}\u{b}\u{c}\u{1680}\u{202f}\u{180e}\u{200b}\u{feff}aZǅſ'sStT\u{301}ʰーⅫ²rRevVmMlLdD09٣!?/.日🎉x]{0,40}"
         ) {
             // spec: M3
             proptest::prop_assert_eq!(our_pieces(&text), tiktoken_pieces(&text));
+            proptest::prop_assert_eq!(our_pieces(&text).concat(), text);
         }
     }
 
