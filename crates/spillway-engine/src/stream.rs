@@ -275,13 +275,20 @@ impl UsageStrip {
 }
 
 /// The end (exclusive) of the first event in `b`: just past its blank line.
+///
+/// One pass over the line feeds, stopping at the first blank line of either kind: a
+/// search for each kind apart would run to the end of `b` for the kind a stream does not
+/// use, once per event, and a chunk of many events would cost their count times its size.
 fn next_boundary(b: &[u8]) -> Option<usize> {
-    let lf = memchr::memmem::find(b, b"\n\n").map(|i| i + 2);
-    let crlf = memchr::memmem::find(b, b"\r\n\r\n").map(|i| i + 4);
-    match (lf, crlf) {
-        (Some(a), Some(c)) => Some(a.min(c)),
-        (a, c) => a.or(c),
-    }
+    memchr::memchr_iter(b'\n', b).find_map(|p| {
+        if b.get(p + 1) == Some(&b'\n') {
+            Some(p + 2)
+        } else if p > 0 && b[p - 1] == b'\r' && b.get(p + 1..p + 3) == Some(b"\r\n") {
+            Some(p + 3)
+        } else {
+            None
+        }
+    })
 }
 
 /// The end (exclusive) of the last complete event in `b`.
@@ -683,6 +690,33 @@ async fn drain(mut a: Active, idle: Duration) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn an_event_ends_at_its_first_blank_line_of_either_kind() {
+        // spec: M2
+        // Every string of up to nine of `\r`, `\n` and `a`: the first blank line is the
+        // earlier end of a search for each kind.
+        let alphabet = [b'\r', b'\n', b'a'];
+        let by_two_searches = |b: &[u8]| {
+            let lf = memchr::memmem::find(b, b"\n\n").map(|i| i + 2);
+            let crlf = memchr::memmem::find(b, b"\r\n\r\n").map(|i| i + 4);
+            match (lf, crlf) {
+                (Some(a), Some(c)) => Some(a.min(c)),
+                (a, c) => a.or(c),
+            }
+        };
+        for len in 0..=9u32 {
+            for n in 0..3usize.pow(len) {
+                let text: Vec<u8> = (0..len).map(|i| alphabet[n / 3usize.pow(i) % 3]).collect();
+                assert_eq!(
+                    super::next_boundary(&text),
+                    by_two_searches(&text),
+                    "{:?}",
+                    String::from_utf8_lossy(&text)
+                );
+            }
+        }
+    }
 
     #[test]
     fn m2_the_usage_chunk_is_taken_out_however_the_stream_is_cut() {
