@@ -106,17 +106,27 @@ pub async fn follow_up(
         Ok(b) => b,
         Err(e) => return e.into_response(format),
     };
-    let mut rb = request_to(&st.client, parts.method.clone(), channel, format, &parts.uri);
-    if !body.is_empty() {
-        rb = rb.header(header::CONTENT_TYPE, "application/json").body(body);
-    }
-    for name in FORWARDED_HEADERS {
-        if let Some(v) = parts.headers.get(*name) {
-            rb = rb.header(*name, v.clone());
+    let has_body = !body.is_empty();
+    let mut rb = match request_to(parts.method.clone(), channel, format, &parts.uri, body) {
+        Ok(r) => r,
+        Err(why) => {
+            return GatewayError::Upstream {
+                kind: spillway_wire::ErrorKind::Upstream,
+                message: format!("the channel that stored this response cannot be called: {why}"),
+                retry_after_ms: None,
+                futile: true,
+            }
+            .into_response(format);
         }
+    };
+    let h = rb.headers_mut();
+    if has_body {
+        h.insert(header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
     }
-    if let Some(k) = &ch.api_key {
-        rb = rb.bearer_auth(k);
+    for name in &FORWARDED_HEADERS {
+        if let Some(v) = parts.headers.get(name) {
+            h.insert(name, v.clone());
+        }
     }
     // The answer's headers within the attempt timeout; a resumed stream
     // (`?stream=true`) then runs as long as the provider sends.
@@ -133,9 +143,9 @@ pub async fn follow_up(
         }
         .into_response(format)
     };
-    let up = match tokio::time::timeout(wait, rb.send()).await {
+    let up = match tokio::time::timeout(wait, st.upstream.send(rb)).await {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) => return failed(e.without_url().to_string()),
+        Ok(Err(e)) => return failed(crate::client::describe(&e)),
         Err(_) => return failed(format!("no response headers within {} ms", wait.as_millis())),
     };
     // P3: the provider's answer to the channel's credentials may quote part of its key.
@@ -152,10 +162,12 @@ pub async fn follow_up(
         }
     }
     out = out.header("x-spillway-channel", ch.name.as_str());
-    let stream = up.bytes_stream().map_err(std::io::Error::other).map(move |chunk| {
-        let _held = &slot;
-        chunk
-    });
+    let stream = http_body_util::BodyDataStream::new(up.into_body())
+        .map_err(|e| std::io::Error::other(crate::client::describe(&e)))
+        .map(move |chunk| {
+            let _held = &slot;
+            chunk
+        });
     out.body(Body::from_stream(stream))
         .unwrap_or_else(|_| GatewayError::Internal.into_response(format))
 }

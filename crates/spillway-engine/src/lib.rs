@@ -12,6 +12,7 @@
 
 pub mod accounts;
 pub mod admin;
+pub mod client;
 pub mod clock;
 pub mod console;
 pub mod contract;

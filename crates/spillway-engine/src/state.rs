@@ -51,6 +51,9 @@ pub struct ChannelRt {
     /// that call-time parsing handles instead (one the config's validation would have
     /// refused, or whose path keeps a trailing slash).
     pub base: Option<reqwest::Url>,
+    /// The header carrying `cfg.api_key`, made once ([`crate::client::key_header`]); its
+    /// error if the key cannot be a header value.
+    pub key_header: Option<std::result::Result<(http::HeaderName, http::HeaderValue), String>>,
 }
 
 impl ChannelRt {
@@ -68,6 +71,7 @@ impl ChannelRt {
         };
         ChannelRt {
             base: crate::upstream::parsed_base(&cfg.base_url),
+            key_header: cfg.api_key.as_deref().map(|k| crate::client::key_header(cfg.format, k)),
             name: Arc::from(cfg.name.as_str()),
             permits: Arc::new(Semaphore::new(cfg.max_concurrency as usize)),
             cfg,
@@ -143,6 +147,10 @@ pub struct AppState {
     /// Gateway keys, owners' balances, spend and the pricing catalog (B3–B5, M1).
     pub accounts: crate::accounts::Accounts,
     pub ledger: Ledger,
+    /// Every call to a channel (attempts, stored-response follow-ups).
+    pub upstream: crate::client::UpstreamClient,
+    /// Calls off the request path: alert webhooks, the simulator's control API. The same
+    /// rules (no redirects, no desktop proxy, bounded connects).
     pub client: reqwest::Client,
     pub metrics: crate::metrics::Metrics,
     pub admin_token: Option<crate::admin::AdminToken>,
@@ -215,26 +223,30 @@ impl AppState {
         let _ = self.alerts.send(alert);
     }
 
-    /// The upstream HTTP client: no redirects (a redirect would carry the channel's key
-    /// and the prompt to whatever host it names), no desktop proxy, bounded connects, TCP
-    /// keepalive so a dead peer is noticed. At most 128 idle connections per host: each
-    /// holds about 26 KiB (hyper's read and write buffers, its request channel), and a
-    /// burst that waited on the ledger sends all at once, so 512 of them stayed open for
-    /// the minute after it; connections in use are not capped.
-    pub fn upstream_client(config: &Config) -> Result<reqwest::Client> {
+    /// The client for calls off the request path (see [`AppState::client`]): no
+    /// redirects (a redirect would carry a webhook's token to whatever host it names), no
+    /// desktop proxy, bounded connects.
+    pub fn side_client(config: &Config) -> Result<reqwest::Client> {
         let up = &config.upstream;
         reqwest::Client::builder()
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_millis(up.connect_timeout_ms))
-            .tcp_keepalive(Duration::from_millis(up.tcp_keepalive_ms))
             .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(128)
+            .pool_max_idle_per_host(8)
             .redirect(reqwest::redirect::Policy::none())
-            // A gateway on a workstation must not send prompts through whatever proxy the
-            // desktop session happens to configure.
             .no_proxy()
             .build()
             .map_err(|e| Error::Client(e.to_string()))
+    }
+
+    /// The client to channels ([`crate::client`]).
+    pub fn upstream_client(config: &Config) -> Result<crate::client::UpstreamClient> {
+        let up = &config.upstream;
+        crate::client::UpstreamClient::new(
+            Duration::from_millis(up.connect_timeout_ms),
+            Duration::from_millis(up.tcp_keepalive_ms),
+        )
+        .map_err(Error::Client)
     }
 
     pub fn new(config: Config, ledger: Ledger) -> Result<AppState> {
@@ -244,7 +256,8 @@ impl AppState {
     /// The same, with the pricing catalog given (a config's `pricing:` file, read by the
     /// caller).
     pub fn with_pricing(config: Config, ledger: Ledger, pricing: Option<spillway_policy::Pricing>) -> Result<AppState> {
-        let client = Self::upstream_client(&config)?;
+        let upstream = Self::upstream_client(&config)?;
+        let client = Self::side_client(&config)?;
         let channels = config
             .channels
             .iter()
@@ -267,6 +280,7 @@ impl AppState {
             channels,
             accounts,
             ledger,
+            upstream,
             client,
             metrics: Default::default(),
             admin_token: None,

@@ -11,7 +11,7 @@ use crate::state::AppState;
 use crate::stream::{ByteStream, Primed};
 use bytes::{Bytes, BytesMut};
 use futures_util::TryStreamExt;
-use http::{HeaderValue, header};
+use http::{HeaderName, HeaderValue, header};
 use serde_json::Value;
 use spillway_ledger::AttemptRecord;
 use spillway_wire::signal::{ErrorClass, Signal, classify_parsed};
@@ -21,13 +21,16 @@ use tokio::time::Instant;
 
 /// Request headers a provider needs from its client; everything else stays at the gateway
 /// (the client's own credentials above all).
-pub(crate) const FORWARDED_HEADERS: &[&str] = &[
-    "anthropic-version",
-    "anthropic-beta",
-    "openai-beta",
-    "tracestate",
-    "accept",
+pub(crate) const FORWARDED_HEADERS: [HeaderName; 5] = [
+    HeaderName::from_static("anthropic-version"),
+    HeaderName::from_static("anthropic-beta"),
+    HeaderName::from_static("openai-beta"),
+    HeaderName::from_static("tracestate"),
+    header::ACCEPT,
 ];
+
+const TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+const ANTHROPIC_VERSION: HeaderName = HeaderName::from_static("anthropic-version");
 
 /// The query the provider gets: the client's, without empty pairs and without a Gemini
 /// client's `key=` (the gateway's, not the provider's); `None` when nothing is left.
@@ -48,19 +51,35 @@ fn upstream_url(base: &str, format: Format, uri: &http::Uri) -> String {
     }
 }
 
-/// A call to `channel`: its URL built on the base parsed once when there is one
-/// ([`upstream_url_on`]), else from the configured text.
+/// A call to `channel` carrying `body`, with its key's header: the URL built on the base
+/// parsed once when there is one ([`upstream_url_on`]), else from the configured text. An
+/// error says why the call cannot be made (and quotes neither the key nor the query).
 pub(crate) fn request_to(
-    client: &reqwest::Client,
     method: http::Method,
     channel: &crate::state::ChannelRt,
     format: Format,
     uri: &http::Uri,
-) -> reqwest::RequestBuilder {
-    match &channel.base {
-        Some(base) => client.request(method, upstream_url_on(base, format, uri)),
-        None => client.request(method, upstream_url(&channel.cfg.base_url, format, uri)),
+    body: Bytes,
+) -> Result<http::Request<crate::client::Body>, String> {
+    let url = match &channel.base {
+        Some(base) => upstream_url_on(base, format, uri),
+        None => reqwest::Url::parse(&upstream_url(&channel.cfg.base_url, format, uri))
+            .map_err(|e| format!("the channel's base_url does not make a URL with the request's path: {e}"))?,
+    };
+    let mut req = http::Request::new(crate::client::Body::new(body));
+    *req.method_mut() = method;
+    *req.uri_mut() = to_uri(url)?;
+    if let Some(key) = &channel.key_header {
+        let (name, value) = key.clone()?;
+        req.headers_mut().insert(name, value);
     }
+    Ok(req)
+}
+
+/// The URL as hyper takes it. The WHATWG serialization is always a valid URI; the error is
+/// for the day it is not.
+fn to_uri(url: reqwest::Url) -> Result<http::Uri, String> {
+    http::Uri::try_from(String::from(url)).map_err(|e| format!("the channel's URL is not one HTTP can send: {e}"))
 }
 
 /// A channel's base URL parsed once, for [`upstream_url_on`]; `None` where the parsed
@@ -117,26 +136,45 @@ fn contain_room(mut room: RateLimitState, max_ms: u64) -> RateLimitState {
     room
 }
 
-/// Reads a whole body, refusing one over `max` bytes.
-async fn read_capped(resp: reqwest::Response, max: u64) -> Result<Bytes, Signal> {
-    if resp.content_length().is_some_and(|n| n > max) {
+/// Reads a whole body, refusing one over `max` bytes. A body that comes in one frame (most
+/// answers) is kept as it came, not copied.
+async fn read_capped(resp: crate::client::Response, max: u64) -> Result<Bytes, Signal> {
+    use http_body::Body as _;
+    use http_body_util::BodyExt;
+    let mut body = resp.into_body();
+    if body.size_hint().lower() > max {
         return Err(too_large(max));
     }
-    let mut body = BytesMut::new();
-    let mut stream = resp.bytes_stream();
+    let mut first: Option<Bytes> = None;
+    let mut rest = BytesMut::new();
     loop {
-        match stream.try_next().await {
-            Ok(Some(chunk)) => {
-                if body.len() as u64 + chunk.len() as u64 > max {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                let Ok(chunk) = frame.into_data() else { continue };
+                let had = first.as_ref().map_or(0, Bytes::len) + rest.len();
+                if had as u64 + chunk.len() as u64 > max {
                     return Err(too_large(max));
                 }
-                body.extend_from_slice(&chunk);
+                match &first {
+                    None => first = Some(chunk),
+                    Some(f) => {
+                        if rest.is_empty() {
+                            rest.reserve(f.len() + chunk.len());
+                            rest.extend_from_slice(f);
+                        }
+                        rest.extend_from_slice(&chunk);
+                    }
+                }
             }
-            Ok(None) => return Ok(body.freeze()),
-            Err(e) => {
+            None if rest.is_empty() => return Ok(first.unwrap_or_default()),
+            None => return Ok(rest.freeze()),
+            Some(Err(e)) => {
                 return Err(Signal::transport(
                     ErrorClass::StreamInterrupted,
-                    spillway_ledger::truncate(format!("reading the response body: {}", e.without_url()), 512),
+                    spillway_ledger::truncate(
+                        format!("reading the response body: {}", crate::client::describe(&e)),
+                        512,
+                    ),
                 ));
             }
         }
@@ -174,27 +212,25 @@ impl Caller for HttpCaller {
         };
         let attempt_deadline = started + timeout;
 
-        let mut rb = request_to(&st.client, http::Method::POST, &channel, format, &ctx.uri)
-            .header(header::CONTENT_TYPE, "application/json")
-            .header("traceparent", ctx.trace.traceparent())
-            .body(ctx.body.clone());
-        for name in FORWARDED_HEADERS {
-            if let Some(v) = ctx.headers.get(*name) {
-                rb = rb.header(*name, v.clone());
+        let mut req = match request_to(http::Method::POST, &channel, format, &ctx.uri, ctx.body.clone()) {
+            Ok(r) => r,
+            Err(why) => return failed(att, Signal::transport(ErrorClass::Unreachable, why)),
+        };
+        let h = req.headers_mut();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if let Ok(v) = HeaderValue::try_from(ctx.trace.traceparent()) {
+            h.insert(TRACEPARENT, v);
+        }
+        for name in &FORWARDED_HEADERS {
+            if let Some(v) = ctx.headers.get(name) {
+                h.insert(name, v.clone());
             }
         }
         if format == Format::Anthropic && !ctx.headers.contains_key("anthropic-version") {
-            rb = rb.header("anthropic-version", "2023-06-01");
-        }
-        if let Some(key) = &ch.api_key {
-            rb = match format {
-                Format::OpenAi => rb.bearer_auth(key),
-                Format::Anthropic => rb.header("x-api-key", key),
-                Format::Gemini => rb.header("x-goog-api-key", key),
-            };
+            h.insert(ANTHROPIC_VERSION, HeaderValue::from_static("2023-06-01"));
         }
 
-        let resp = match tokio::time::timeout(first_byte, rb.send()).await {
+        let resp = match tokio::time::timeout(first_byte, st.upstream.send(req)).await {
             Err(_) => {
                 let s = Signal::transport(
                     ErrorClass::Timeout,
@@ -203,13 +239,12 @@ impl Caller for HttpCaller {
                 return failed(att, s);
             }
             Ok(Err(e)) => {
-                let class = if e.is_timeout() {
+                let class = if crate::client::is_timeout(&e) {
                     ErrorClass::Timeout
                 } else {
                     ErrorClass::Unreachable
                 };
-                // Without the URL: its query is the client's own text.
-                let s = Signal::transport(class, spillway_ledger::truncate(format!("{}", e.without_url()), 512));
+                let s = Signal::transport(class, spillway_ledger::truncate(crate::client::describe(&e), 512));
                 return failed(att, s);
             }
             Ok(Ok(r)) => r,
@@ -234,7 +269,10 @@ impl Caller for HttpCaller {
                 .get(header::CONTENT_TYPE)
                 .cloned()
                 .unwrap_or(HeaderValue::from_static("text/event-stream"));
-            let inner: ByteStream = Box::pin(resp.bytes_stream().map_err(|e| std::io::Error::other(e.without_url())));
+            let inner: ByteStream = Box::pin(
+                http_body_util::BodyDataStream::new(resp.into_body())
+                    .map_err(|e| std::io::Error::other(crate::client::describe(&e))),
+            );
             let mut primed = Primed::new(
                 inner,
                 format,
@@ -366,13 +404,60 @@ mod tests {
                 let uri: http::Uri = uri.parse().unwrap();
                 for format in [Format::OpenAi, Format::Anthropic, Format::Gemini] {
                     let text = reqwest::Url::parse(&upstream_url(base, format, &uri)).unwrap();
-                    assert_eq!(upstream_url_on(&parsed, format, &uri), text, "{base} {uri} {format:?}");
+                    let url = upstream_url_on(&parsed, format, &uri);
+                    assert_eq!(url, text, "{base} {uri} {format:?}");
+                    // hyper is handed the same text.
+                    assert_eq!(to_uri(url.clone()).unwrap().to_string(), url.as_str(), "{base} {uri}");
                 }
             }
         }
         let uri: http::Uri = "/v1beta/models/m:generateContent?key=sk-client".parse().unwrap();
         let url = upstream_url_on(&parsed_base("http://u").unwrap(), Format::Gemini, &uri);
         assert!(!url.as_str().contains("sk-client"), "{url}");
+    }
+
+    fn channel(format: Format, base_url: &str, api_key: Option<&str>) -> crate::state::ChannelRt {
+        crate::state::ChannelRt::new(spillway_policy::Channel {
+            name: "c".into(),
+            format,
+            base_url: base_url.into(),
+            api_key: api_key.map(str::to_owned),
+            models: vec!["*".into()],
+            max_concurrency: 1,
+            weight: 1,
+            priority: 0,
+            timeout_ms: None,
+            simulated: None,
+            region: None,
+        })
+    }
+
+    #[test]
+    fn a_call_carries_the_channels_key_in_its_providers_header_and_a_bad_key_is_not_quoted() {
+        // spec: P3
+        let uri: http::Uri = "/v1beta/models/m:generateContent?key=sk-client&alt=sse"
+            .parse()
+            .unwrap();
+        let ch = channel(Format::Gemini, "https://g.example/p", Some("g-key"));
+        let req = request_to(http::Method::POST, &ch, Format::Gemini, &uri, Bytes::from_static(b"{}")).unwrap();
+        assert_eq!(req.uri(), "https://g.example/p/v1beta/models/m:generateContent?alt=sse");
+        let key = req.headers().get("x-goog-api-key").unwrap();
+        assert!(key.is_sensitive());
+        assert_eq!(key, "g-key");
+        assert!(req.headers().get(header::AUTHORIZATION).is_none());
+        // A base the parse-once path leaves alone takes the text's way, to the same URL.
+        let ch = channel(Format::OpenAi, "http://u/a//.", None);
+        assert!(ch.base.is_none());
+        let uri: http::Uri = "/v1/chat/completions".parse().unwrap();
+        let req = request_to(http::Method::POST, &ch, Format::OpenAi, &uri, Bytes::new()).unwrap();
+        assert_eq!(req.uri(), "http://u/a//v1/chat/completions");
+        assert!(req.headers().is_empty());
+        // A key with a line break in it (a pasted file) cannot be a header: the call is
+        // refused and says why, without the key.
+        let ch = channel(Format::OpenAi, "http://u", Some("sk-secret-part\n"));
+        let err = request_to(http::Method::POST, &ch, Format::OpenAi, &uri, Bytes::new()).unwrap_err();
+        assert!(err.contains("API key"), "{err}");
+        assert!(!err.contains("sk-secret"), "{err}");
     }
 
     #[test]

@@ -1193,6 +1193,19 @@ impl RawConfig {
             let api_key = match &c.api_key_env {
                 Some(_) if !enabled => None,
                 Some(e) => match env(&e.value) {
+                    // No HTTP header can carry a control character; the usual one is the
+                    // line break a key read from a file keeps. The key itself is never quoted.
+                    Some(v) if v.bytes().any(|b| (b < 0x20 && b != b'\t') || b == 0x7f) => {
+                        cx.err(
+                            e,
+                            f("api_key_env"),
+                            format!(
+                                "environment variable {} holds a line break or another control character, which no HTTP header can carry (a key read from a file with its newline?)",
+                                e.value
+                            ),
+                        );
+                        None
+                    }
                     Some(v) if !v.is_empty() => Some(v),
                     _ => {
                         cx.err(
@@ -1632,6 +1645,7 @@ mod tests {
             "SPILLWAY_APP_KEY" => Some("sk-app-0123456789abcdef".into()),
             "OPENAI_API_KEY" => Some("sk-upstream".into()),
             "SHORT" => Some("abc".into()),
+            "PASTED_KEY" => Some("sk-pasted-secret\n".into()),
             _ => None,
         }
     }
@@ -1662,6 +1676,21 @@ owners:
         Config::parse(Path::new("/etc/spillway/gw.yaml"), text, &env, &|| {
             "sk-made-at-start-0123456789".into()
         })
+    }
+
+    #[test]
+    fn a_provider_key_no_header_can_carry_is_refused_without_being_quoted() {
+        // spec: P4
+        let bad = GOOD.replace("api_key_env: OPENAI_API_KEY", "api_key_env: PASTED_KEY");
+        let e = parse(&bad).unwrap_err();
+        let lines: Vec<String> = e.0.iter().map(|e| e.to_string()).collect();
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains("channels[0].api_key_env") && l.contains("PASTED_KEY holds a line break")),
+            "{lines:?}"
+        );
+        assert!(lines.iter().all(|l| !l.contains("sk-pasted")), "{lines:?}");
     }
 
     #[test]
