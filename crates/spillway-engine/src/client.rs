@@ -29,7 +29,52 @@ pub type Response = http::Response<hyper::body::Incoming>;
 /// The client to channels. Cloning shares its pool.
 #[derive(Clone)]
 pub struct UpstreamClient {
-    inner: Client<HttpsConnector<HttpConnector>, Body>,
+    inner: Client<Bounded<HttpsConnector<HttpConnector>>, Body>,
+}
+
+type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// A connector whose connections must be ready (TCP connected and, for https, the TLS
+/// handshake done) within `limit`: `upstream.connect_timeout_ms` is "connecting to a
+/// provider", and a peer that accepts TCP and then says nothing must not hold an attempt
+/// until its first-byte timeout.
+#[derive(Clone)]
+struct Bounded<C> {
+    inner: C,
+    limit: Duration,
+}
+
+impl<C> tower::Service<http::Uri> for Bounded<C>
+where
+    C: tower::Service<http::Uri>,
+    C::Error: Into<BoxError>,
+    C::Future: Send + 'static,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future = std::pin::Pin<Box<dyn Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let connecting = self.inner.call(uri);
+        let limit = self.limit;
+        // Boxed once per new connection, not per request.
+        Box::pin(async move {
+            match tokio::time::timeout(limit, connecting).await {
+                Ok(done) => done.map_err(Into::into),
+                Err(_) => Err(Box::new(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "not connected within {} ms (upstream.connect_timeout_ms)",
+                        limit.as_millis()
+                    ),
+                )) as BoxError),
+            }
+        })
+    }
 }
 
 /// How long an idle pooled connection is kept.
@@ -41,39 +86,35 @@ const POOL_IDLE: Duration = Duration::from_secs(60);
 /// capped.
 const POOL_MAX_IDLE_PER_HOST: usize = 128;
 
-impl UpstreamClient {
-    /// A client trusting the platform's roots.
-    pub fn new(connect_timeout: Duration, keepalive: Duration) -> Result<UpstreamClient, String> {
-        Self::with_extra_roots(connect_timeout, keepalive, Vec::new())
+/// The TLS every outgoing call uses, the upstream client's and reqwest's alike (one set of
+/// roots read once: the platform's bundle parsed is a few hundred KiB): rustls on
+/// aws-lc-rs, the platform's verifier (reqwest's own choice), trusting the platform's
+/// roots and `extra` (tests: a loopback server's own CA).
+pub fn tls_config(extra: Vec<rustls::pki_types::CertificateDer<'static>>) -> Result<rustls::ClientConfig, String> {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let verifier = if extra.is_empty() {
+        rustls_platform_verifier::Verifier::new(provider.clone())
+    } else {
+        rustls_platform_verifier::Verifier::new_with_extra_roots(extra, provider.clone())
     }
+    .map_err(|e| format!("cannot load the platform's TLS roots: {e}"))?;
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("cannot set up TLS: {e}"))?
+        .dangerous()
+        // Not dangerous: the platform's own verifier, as reqwest and browsers use it.
+        .with_custom_certificate_verifier(Arc::new(verifier))
+        .with_no_client_auth())
+}
 
-    /// A client trusting the platform's roots and `extra` (tests: a loopback server's own
-    /// certificate).
-    pub fn with_extra_roots(
-        connect_timeout: Duration,
-        keepalive: Duration,
-        extra: Vec<rustls::pki_types::CertificateDer<'static>>,
-    ) -> Result<UpstreamClient, String> {
+impl UpstreamClient {
+    /// A client on `tls` ([`tls_config`]).
+    pub fn new(connect_timeout: Duration, keepalive: Duration, tls: rustls::ClientConfig) -> UpstreamClient {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
-        http.set_connect_timeout(Some(connect_timeout));
         http.set_keepalive(Some(keepalive));
         // https:// URLs go through the same connector, to the TLS layer around it.
         http.enforce_http(false);
-        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-        let verifier = if extra.is_empty() {
-            rustls_platform_verifier::Verifier::new(provider.clone())
-        } else {
-            rustls_platform_verifier::Verifier::new_with_extra_roots(extra, provider.clone())
-        }
-        .map_err(|e| format!("cannot load the platform's TLS roots: {e}"))?;
-        let tls = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| format!("cannot set up TLS: {e}"))?
-            .dangerous()
-            // Not dangerous: the platform's own verifier, as reqwest and browsers use it.
-            .with_custom_certificate_verifier(Arc::new(verifier))
-            .with_no_client_auth();
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             // Plain http:// only where the config allowed it (this machine, or
@@ -81,13 +122,17 @@ impl UpstreamClient {
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(http);
+        let bounded = Bounded {
+            inner: https,
+            limit: connect_timeout,
+        };
         let inner = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(POOL_IDLE)
             .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
-            .build(https);
-        Ok(UpstreamClient { inner })
+            .build(bounded);
+        UpstreamClient { inner }
     }
 
     /// Sends `req` (an absolute URI) and waits for the answer's headers. The caller bounds
@@ -245,9 +290,16 @@ mod tls_tests {
         (port, task)
     }
 
+    fn client(extra: Vec<CertificateDer<'static>>) -> UpstreamClient {
+        UpstreamClient::new(
+            Duration::from_secs(5),
+            Duration::from_secs(30),
+            tls_config(extra).unwrap(),
+        )
+    }
+
     fn trusting() -> UpstreamClient {
-        let ca = CertificateDer::from_pem_slice(CA).unwrap();
-        UpstreamClient::with_extra_roots(Duration::from_secs(5), Duration::from_secs(30), vec![ca]).unwrap()
+        client(vec![CertificateDer::from_pem_slice(CA).unwrap()])
     }
 
     async fn get(client: &UpstreamClient, url: &str) -> Result<String, String> {
@@ -277,7 +329,7 @@ mod tls_tests {
     #[tokio::test]
     async fn a_certificate_the_platform_does_not_trust_is_refused() {
         let (port, task) = server(&[b"h2", b"http/1.1"]).await;
-        let client = UpstreamClient::new(Duration::from_secs(5), Duration::from_secs(30)).unwrap();
+        let client = client(Vec::new());
         let err = get(&client, &format!("https://localhost:{port}/v1/models"))
             .await
             .unwrap_err();
@@ -285,6 +337,38 @@ mod tls_tests {
         assert!(err.contains("certificate"), "{err}");
         assert!(!err.contains("sk-test"), "{err}");
         task.abort();
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_accepts_and_says_nothing_is_a_connect_timeout() {
+        // Accepts TCP, never answers the TLS handshake; held until the test ends.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            for _ in 0..4 {
+                let Ok((tcp, _)) = listener.accept().await else { return };
+                open.push(tcp);
+            }
+            std::future::pending::<()>().await;
+        });
+        let tls = tls_config(vec![CertificateDer::from_pem_slice(CA).unwrap()]).unwrap();
+        let client = UpstreamClient::new(Duration::from_millis(200), Duration::from_secs(30), tls);
+        let mut req = http::Request::new(Body::new(Bytes::new()));
+        *req.uri_mut() = format!("https://localhost:{port}/v1/models").parse().unwrap();
+        let started = std::time::Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(10), client.send(req))
+            .await
+            .expect("the connect bound ends the call")
+            .unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(is_timeout(&err), "{}", describe(&err));
+        assert!(
+            describe(&err).contains("not connected within 200 ms"),
+            "{}",
+            describe(&err)
+        );
+        held.abort();
     }
 
     #[tokio::test]

@@ -223,12 +223,13 @@ impl AppState {
         let _ = self.alerts.send(alert);
     }
 
-    /// The client for calls off the request path (see [`AppState::client`]): no
-    /// redirects (a redirect would carry a webhook's token to whatever host it names), no
-    /// desktop proxy, bounded connects.
-    pub fn side_client(config: &Config) -> Result<reqwest::Client> {
+    /// The client for calls off the request path (see [`AppState::client`]), on the
+    /// upstream client's TLS: no redirects (a redirect would carry a webhook's token to
+    /// whatever host it names), no desktop proxy, bounded connects.
+    pub fn side_client(config: &Config, tls: rustls::ClientConfig) -> Result<reqwest::Client> {
         let up = &config.upstream;
         reqwest::Client::builder()
+            .tls_backend_preconfigured(tls)
             .tcp_nodelay(true)
             .connect_timeout(Duration::from_millis(up.connect_timeout_ms))
             .pool_idle_timeout(Duration::from_secs(60))
@@ -239,14 +240,14 @@ impl AppState {
             .map_err(|e| Error::Client(e.to_string()))
     }
 
-    /// The client to channels ([`crate::client`]).
-    pub fn upstream_client(config: &Config) -> Result<crate::client::UpstreamClient> {
+    /// The client to channels ([`crate::client`]) on `tls`.
+    pub fn upstream_client(config: &Config, tls: rustls::ClientConfig) -> crate::client::UpstreamClient {
         let up = &config.upstream;
         crate::client::UpstreamClient::new(
             Duration::from_millis(up.connect_timeout_ms),
             Duration::from_millis(up.tcp_keepalive_ms),
+            tls,
         )
-        .map_err(Error::Client)
     }
 
     pub fn new(config: Config, ledger: Ledger) -> Result<AppState> {
@@ -256,8 +257,9 @@ impl AppState {
     /// The same, with the pricing catalog given (a config's `pricing:` file, read by the
     /// caller).
     pub fn with_pricing(config: Config, ledger: Ledger, pricing: Option<spillway_policy::Pricing>) -> Result<AppState> {
-        let upstream = Self::upstream_client(&config)?;
-        let client = Self::side_client(&config)?;
+        let tls = crate::client::tls_config(Vec::new()).map_err(Error::Client)?;
+        let upstream = Self::upstream_client(&config, tls.clone());
+        let client = Self::side_client(&config, tls)?;
         let channels = config
             .channels
             .iter()
