@@ -5,6 +5,7 @@
 
 pub mod error_body;
 pub mod format;
+pub mod json;
 pub mod request;
 pub mod signal;
 pub mod sse;

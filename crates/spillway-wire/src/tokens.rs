@@ -14,8 +14,8 @@
 //! background thread, so that no request waits for it and an idle gateway never holds it;
 //! until it is ready the estimate counts the same text's bytes instead.
 
+use crate::json::Json;
 use crate::{Api, Format};
-use serde_json::Value;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::{Once, OnceLock};
@@ -441,15 +441,15 @@ impl Tally {
     }
 
     /// `v` if it is a string; anything else is not what the provider reads there.
-    fn text_of(&mut self, v: Option<&Value>) {
-        if let Some(s) = v.and_then(Value::as_str) {
+    fn text_of(&mut self, v: Option<&Json<'_>>) {
+        if let Some(s) = v.and_then(Json::as_str) {
             self.text(s);
         }
     }
 
     /// A structured value the provider renders as text (tool schemas, call arguments):
     /// counted as its JSON.
-    fn json(&mut self, v: &Value) {
+    fn json(&mut self, v: &Json<'_>) {
         if let Ok(s) = serde_json::to_string(v) {
             self.text(&s);
         }
@@ -478,13 +478,13 @@ impl Tally {
 }
 
 /// The array at `v`, or nothing if it is absent or not an array.
-fn arr(v: Option<&Value>) -> &[Value] {
-    v.and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[])
+fn arr<'v, 'a>(v: Option<&'v Json<'a>>) -> &'v [Json<'a>] {
+    v.and_then(Json::as_array).unwrap_or(&[])
 }
 
 /// A Gemini field under its JSON name or its proto name (Google's JSON parser takes both).
-fn gemini_field<'v>(v: &'v Value, camel: &str, snake: &str) -> Option<&'v Value> {
-    let present = |x: &&Value| !x.is_null();
+fn gemini_field<'v, 'a>(v: &'v Json<'a>, camel: &str, snake: &str) -> Option<&'v Json<'a>> {
+    let present = |x: &&Json<'a>| !x.is_null();
     v.get(camel).filter(present).or_else(|| v.get(snake).filter(present))
 }
 
@@ -493,7 +493,7 @@ fn gemini_field<'v>(v: &'v Value, camel: &str, snake: &str) -> Option<&'v Value>
 /// and fields of unexpected types are skipped.
 pub fn estimate_input_tokens(format: Format, api: Api, body: &[u8]) -> u64 {
     let by_bytes = (body.len() as u64).div_ceil(4);
-    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+    let Ok(v) = Json::parse(body) else {
         return by_bytes;
     };
     if !v.is_object() {
@@ -523,12 +523,12 @@ pub fn estimate_input_tokens(format: Format, api: Api, body: &[u8]) -> u64 {
 
 /// OpenAI chat completions: every message's role, content, name and tool calls, with the
 /// cookbook's framing; and the tools offered.
-fn openai_chat(body: &Value, t: &mut Tally) {
+fn openai_chat(body: &Json<'_>, t: &mut Tally) {
     for m in arr(body.get("messages")) {
         t.tokens(OPENAI_PER_MESSAGE);
         t.text_of(m.get("role"));
         openai_content(m.get("content"), t);
-        if let Some(name) = m.get("name").and_then(Value::as_str) {
+        if let Some(name) = m.get("name").and_then(Json::as_str) {
             t.tokens(OPENAI_PER_NAME);
             t.text(name);
         }
@@ -551,10 +551,10 @@ fn openai_chat(body: &Value, t: &mut Tally) {
 }
 
 /// OpenAI content: a string, or a list of parts (chat's and the Responses API's alike).
-fn openai_content(content: Option<&Value>, t: &mut Tally) {
+fn openai_content(content: Option<&Json<'_>>, t: &mut Tally) {
     match content {
-        Some(Value::String(s)) => t.text(s),
-        Some(Value::Array(parts)) => {
+        Some(Json::String(s)) => t.text(s),
+        Some(Json::Array(parts)) => {
             for part in parts {
                 openai_part(part, t);
             }
@@ -563,8 +563,8 @@ fn openai_content(content: Option<&Value>, t: &mut Tally) {
     }
 }
 
-fn openai_part(part: &Value, t: &mut Tally) {
-    match part.get("type").and_then(Value::as_str) {
+fn openai_part(part: &Json<'_>, t: &mut Tally) {
+    match part.get("type").and_then(Json::as_str) {
         Some("text" | "input_text" | "output_text") => t.text_of(part.get("text")),
         Some("refusal") => t.text_of(part.get("refusal")),
         Some("image_url") => t.tokens(openai_image(part.get("image_url").and_then(|i| i.get("detail")))),
@@ -574,8 +574,8 @@ fn openai_part(part: &Value, t: &mut Tally) {
     }
 }
 
-fn openai_image(detail: Option<&Value>) -> u64 {
-    match detail.and_then(Value::as_str) {
+fn openai_image(detail: Option<&Json<'_>>) -> u64 {
+    match detail.and_then(Json::as_str) {
         Some("low") => OPENAI_IMAGE_LOW,
         _ => OPENAI_IMAGE,
     }
@@ -583,20 +583,20 @@ fn openai_image(detail: Option<&Value>) -> u64 {
 
 /// OpenAI Responses: `instructions`, then `input` (a string, or items: messages, function
 /// calls and their outputs), and the tools offered.
-fn openai_responses(body: &Value, t: &mut Tally) {
-    if let Some(s) = body.get("instructions").and_then(Value::as_str) {
+fn openai_responses(body: &Json<'_>, t: &mut Tally) {
+    if let Some(s) = body.get("instructions").and_then(Json::as_str) {
         t.tokens(OPENAI_IMPLIED_MESSAGE);
         t.text(s);
     }
     match body.get("input") {
-        Some(Value::String(s)) => {
+        Some(Json::String(s)) => {
             t.tokens(OPENAI_IMPLIED_MESSAGE);
             t.text(s);
         }
-        Some(Value::Array(items)) => {
+        Some(Json::Array(items)) => {
             for item in items {
                 t.tokens(OPENAI_PER_MESSAGE);
-                match item.get("type").and_then(Value::as_str) {
+                match item.get("type").and_then(Json::as_str) {
                     None | Some("message") => {
                         t.text_of(item.get("role"));
                         openai_content(item.get("content"), t);
@@ -621,15 +621,15 @@ fn openai_responses(body: &Value, t: &mut Tally) {
 }
 
 /// OpenAI embeddings `input`: text is counted; token ids are tokens already, exactly.
-fn openai_embeddings(body: &Value, t: &mut Tally) {
+fn openai_embeddings(body: &Json<'_>, t: &mut Tally) {
     match body.get("input") {
-        Some(Value::String(s)) => t.text(s),
-        Some(Value::Array(inputs)) => {
+        Some(Json::String(s)) => t.text(s),
+        Some(Json::Array(inputs)) => {
             for input in inputs {
                 match input {
-                    Value::String(s) => t.text(s),
-                    Value::Number(_) => t.tokens(1),
-                    Value::Array(ids) => t.tokens(ids.len() as u64),
+                    Json::String(s) => t.text(s),
+                    Json::Number(_) => t.tokens(1),
+                    Json::Array(ids) => t.tokens(ids.len() as u64),
                     _ => {}
                 }
             }
@@ -642,11 +642,11 @@ fn openai_embeddings(body: &Value, t: &mut Tally) {
 /// OpenAI chat nests them under `function`; the Responses API and Anthropic do not (and
 /// Anthropic calls the schema `input_schema`). A tool with none of them (a hosted tool
 /// such as `{"type":"web_search"}`) is counted as its own JSON.
-fn tool_definition(tool: &Value, t: &mut Tally) {
+fn tool_definition(tool: &Json<'_>, t: &mut Tally) {
     let f = tool.get("function").filter(|f| f.is_object()).unwrap_or(tool);
     let mut any = false;
     for key in ["name", "description"] {
-        if let Some(s) = f.get(key).and_then(Value::as_str) {
+        if let Some(s) = f.get(key).and_then(Json::as_str) {
             t.text(s);
             any = true;
         }
@@ -664,7 +664,7 @@ fn tool_definition(tool: &Value, t: &mut Tally) {
 
 /// Anthropic messages (and count_tokens): the system prompt, each message's content, and
 /// the tools offered with the system prompt Anthropic adds for them.
-fn anthropic(body: &Value, t: &mut Tally) {
+fn anthropic(body: &Json<'_>, t: &mut Tally) {
     anthropic_content(body.get("system"), t, 0);
     for m in arr(body.get("messages")) {
         t.tokens(ANTHROPIC_PER_MESSAGE);
@@ -680,13 +680,13 @@ fn anthropic(body: &Value, t: &mut Tally) {
 }
 
 /// Anthropic content: a string, or a list of blocks.
-fn anthropic_content(content: Option<&Value>, t: &mut Tally, depth: u32) {
+fn anthropic_content(content: Option<&Json<'_>>, t: &mut Tally, depth: u32) {
     if depth > MAX_DEPTH {
         return;
     }
     match content {
-        Some(Value::String(s)) => t.text(s),
-        Some(Value::Array(blocks)) => {
+        Some(Json::String(s)) => t.text(s),
+        Some(Json::Array(blocks)) => {
             for block in blocks {
                 anthropic_block(block, t, depth);
             }
@@ -695,8 +695,8 @@ fn anthropic_content(content: Option<&Value>, t: &mut Tally, depth: u32) {
     }
 }
 
-fn anthropic_block(block: &Value, t: &mut Tally, depth: u32) {
-    match block.get("type").and_then(Value::as_str) {
+fn anthropic_block(block: &Json<'_>, t: &mut Tally, depth: u32) {
+    match block.get("type").and_then(Json::as_str) {
         Some("text") => t.text_of(block.get("text")),
         Some("thinking") => t.text_of(block.get("thinking")),
         Some("tool_use" | "server_tool_use") => {
@@ -711,7 +711,7 @@ fn anthropic_block(block: &Value, t: &mut Tally, depth: u32) {
             // Plain-text and content-block documents are text the model reads as such;
             // only a PDF (or a file by reference) needs the page estimate.
             let source = block.get("source");
-            match source.and_then(|s| s.get("type")).and_then(Value::as_str) {
+            match source.and_then(|s| s.get("type")).and_then(Json::as_str) {
                 Some("text") => t.text_of(source.and_then(|s| s.get("data"))),
                 Some("content") => anthropic_content(source.and_then(|s| s.get("content")), t, depth + 1),
                 _ => t.tokens(ANTHROPIC_DOCUMENT),
@@ -728,7 +728,7 @@ fn anthropic_block(block: &Value, t: &mut Tally, depth: u32) {
 /// Gemini generateContent, countTokens, embedContent and batchEmbedContents alike: the
 /// system instruction, `contents` (a list, or one content), `content` (embedContent),
 /// `requests` (batchEmbedContents), countTokens' `generateContentRequest`, and tools.
-fn gemini(body: &Value, t: &mut Tally, depth: u32) {
+fn gemini(body: &Json<'_>, t: &mut Tally, depth: u32) {
     if depth > MAX_DEPTH {
         return;
     }
@@ -736,12 +736,12 @@ fn gemini(body: &Value, t: &mut Tally, depth: u32) {
         gemini_content(system, t);
     }
     match body.get("contents") {
-        Some(Value::Array(contents)) => {
+        Some(Json::Array(contents)) => {
             for content in contents {
                 gemini_content(content, t);
             }
         }
-        Some(content @ Value::Object(_)) => gemini_content(content, t),
+        Some(content @ Json::Object(_)) => gemini_content(content, t),
         _ => {}
     }
     if let Some(content) = body.get("content") {
@@ -759,7 +759,7 @@ fn gemini(body: &Value, t: &mut Tally, depth: u32) {
 }
 
 /// A Gemini content's parts.
-fn gemini_content(content: &Value, t: &mut Tally) {
+fn gemini_content(content: &Json<'_>, t: &mut Tally) {
     for part in arr(content.get("parts")) {
         t.text_of(part.get("text"));
         if let Some(call) = gemini_field(part, "functionCall", "function_call") {
@@ -1125,7 +1125,7 @@ mod tests {
     fn m3_before_the_table_loads_the_counted_text_is_measured_in_bytes() {
         // spec: M3
         let body = r#"{"model":"gpt-4o-mini-2024-07-18","messages":[{"role":"user","content":"hello world"}]}"#;
-        let body: Value = serde_json::from_str(body).unwrap();
+        let body = Json::parse(body.as_bytes()).unwrap();
         let mut t = Tally::new(None);
         openai_chat(&body, &mut t);
         // "user" and "hello world" are 15 bytes, 4 tokens; the model name is not counted.
