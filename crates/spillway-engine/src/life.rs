@@ -375,19 +375,32 @@ impl Life {
     pub async fn calling_api(&mut self, channel: &str, waited: Option<Duration>) -> Result<(), GatewayError> {
         let now = clock::now();
         // The request only becomes this record once the ledger holds it: if it cannot,
-        // nothing went upstream and the record must not say otherwise.
-        let mut calling = self.rec.clone();
-        calling.state = RequestState::CallingApi;
-        calling.admitted_at = Some(now);
-        calling.served_model = calling.requested_model.clone();
-        calling.channel = Some(channel.to_owned());
-        calling.attempts = 1;
-        calling.queued_ms = waited.map(clock::ms);
-        if let Err(e) = self.st.ledger.put_request_durable(calling.clone()).await {
+        // nothing went upstream and the record must not say otherwise. What changes is
+        // kept aside to be put back, rather than the whole record cloned twice (a record
+        // is some fifteen strings).
+        let r = &mut self.rec;
+        let before = (
+            r.state,
+            r.admitted_at.replace(now),
+            std::mem::replace(&mut r.served_model, r.requested_model.clone()),
+            r.channel.replace(channel.to_owned()),
+            std::mem::replace(&mut r.attempts, 1),
+            std::mem::replace(&mut r.queued_ms, waited.map(clock::ms)),
+        );
+        r.state = RequestState::CallingApi;
+        if let Err(e) = self.st.ledger.put_request_durable(self.rec.clone()).await {
             tracing::error!(error = %e, request_id = %self.rec.id, "ledger unavailable; refusing to call upstream");
+            let r = &mut self.rec;
+            (
+                r.state,
+                r.admitted_at,
+                r.served_model,
+                r.channel,
+                r.attempts,
+                r.queued_ms,
+            ) = before;
             return Err(GatewayError::LedgerUnavailable);
         }
-        self.rec = calling;
         if let Some(r) = &self.route {
             if let Some(w) = waited {
                 self.st.metrics.waited(r, clock::ms(w));

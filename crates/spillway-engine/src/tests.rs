@@ -1622,6 +1622,16 @@ async fn a_ledger_that_refuses_writes_gives_503_an_alert_and_keeps_the_records()
             Some(FailureClass::Gateway(GatewayClass::LedgerUnavailable))
         )
     );
+    // spec: I3 (nothing went upstream, and the record says nothing did)
+    assert_eq!(
+        (
+            rec.admitted_at,
+            rec.channel.as_deref(),
+            rec.attempts,
+            rec.served_model.as_deref()
+        ),
+        (None, None, 0, None)
+    );
     assert_eq!(chat(&url, "m").send().await.unwrap().status(), 200);
     gw.shutdown().await.unwrap();
 }
