@@ -14,7 +14,7 @@ use std::borrow::Cow;
 use std::fmt;
 
 /// One JSON value; strings without escapes borrow from the input.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, PartialEq)]
 pub enum Json<'a> {
     Null,
     Bool(bool),
@@ -113,10 +113,6 @@ impl<'de> Visitor<'de> for JsonVisitor {
 
     fn visit_unit<E>(self) -> Result<Json<'de>, E> {
         Ok(Json::Null)
-    }
-
-    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Json<'de>, D::Error> {
-        Deserialize::deserialize(d)
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Json<'de>, A::Error> {
