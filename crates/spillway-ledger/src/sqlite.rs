@@ -25,6 +25,7 @@ use crate::{
     RouteCount, ScoreRow, Search, SideEffect, SpendRow, StopReason, StoredKey, StoredResponse, TakeOver,
 };
 use async_trait::async_trait;
+use futures_util::TryStreamExt;
 use spillway_wire::{ErrorClass, Format, UnixMs, Visibility};
 use sqlx::sqlite::{
     SqliteArguments, SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
@@ -563,10 +564,17 @@ fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
 /// as its size class's prepared statement.
 async fn insert_chunk(conn: &mut SqliteConnection, rows: &[BatchRow<'_>]) -> Result<()> {
     debug_assert!(rows.len() <= ROWS_PER_STATEMENT, "a chunk of {} rows", rows.len());
-    sqlx::query_with(batch_sql(size_class(rows.len())), batch_args(rows))
-        .persistent(true)
-        .execute(conn)
-        .await?;
+    let statement = sqlx::query_with(batch_sql(size_class(rows.len())), batch_args(rows)).persistent(true);
+    // The statement's own result is its end (in autocommit, after its commit and sync):
+    // nothing can fail after it. `execute` would wait on past it for the end of sqlx's
+    // result stream, which comes when the worker thread drops its sender a moment later,
+    // and that often costs this task one more wake-up per commit.
+    let mut results = sqlx::Executor::fetch_many(conn, statement);
+    while let Some(result) = results.try_next().await? {
+        if result.is_left() {
+            return Ok(());
+        }
+    }
     Ok(())
 }
 
