@@ -59,7 +59,17 @@ impl Watch {
     }
 
     fn observe(&mut self, chunk: &[u8]) {
-        for ev in self.parser.push(chunk) {
+        let skipped = self.parser.skipped();
+        let events = self.parser.push(chunk);
+        if skipped == 0 && self.parser.skipped() > 0 {
+            // Once a stream: the bytes still reach the client; only what the event said
+            // (output text, usage, an error) goes unseen by the gateway.
+            tracing::warn!(
+                limit_mib = spillway_wire::MAX_EVENT_BYTES >> 20,
+                "a stream event from the provider was over the limit and was not read"
+            );
+        }
+        for ev in events {
             if ev.data == "[DONE]" {
                 self.finished = true;
                 continue;

@@ -793,6 +793,46 @@ async fn h2_a_stream_that_goes_quiet_after_output_ends_with_an_error_event() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn h1_an_event_over_the_parsers_limit_reaches_the_client_and_the_next_one_is_read() {
+    // spec: H1
+    let (st, _) = state_with(config("", &[("a", 4)]));
+    let (tx, mut body, id) = primed_stream(&st, None).await;
+    assert!(body.next().await.is_some());
+    assert!(body.next().await.is_some());
+    // An upstream that sends more than the parser holds in one line, in pieces.
+    let piece = Bytes::from(vec![b'x'; 1 << 20]);
+    let pieces = spillway_wire::MAX_EVENT_BYTES / piece.len() + 2;
+    let sender = tokio::spawn(async move {
+        tx.send(Ok(Bytes::from_static(b"data: "))).await.unwrap();
+        for _ in 0..pieces {
+            tx.send(Ok(piece.clone())).await.unwrap();
+        }
+        tx.send(Ok(Bytes::from_static(b"\n\n"))).await.unwrap();
+        let usage =
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":7,\"total_tokens\":12}}\n\n";
+        tx.send(Ok(Bytes::from(usage))).await.unwrap();
+        tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await.unwrap();
+    });
+    let mut passed = 0usize;
+    let mut tail = Vec::new();
+    while let Some(c) = body.next().await {
+        let c = c.unwrap();
+        passed += c.len();
+        tail = c.to_vec();
+    }
+    sender.await.unwrap();
+    // Every byte went through, the skipped event's as well.
+    let usage_len =
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":7,\"total_tokens\":12}}\n\n".len();
+    assert_eq!(passed, 6 + pieces * (1 << 20) + 2 + usage_len + 14);
+    assert_eq!(tail, b"data: [DONE]\n\n");
+    // The event after it was read: its usage is the request's.
+    let (rec, _) = rows(&st, &id).await;
+    assert_eq!(rec.state, RequestState::Done);
+    assert_eq!((rec.input_tokens, rec.output_tokens), (Some(5), Some(7)));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_client_that_hangs_up_right_after_the_end_marker_got_its_whole_answer() {
     // spec: I3, H1
     let (st, _) = state_with(config("", &[("a", 4)]));

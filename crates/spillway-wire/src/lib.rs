@@ -20,7 +20,7 @@ pub use signal::{
     ErrorClass, RateLimitState, Signal, Visibility, answer_json, classify_parsed, classify_stream_error,
     parse_retry_after, rate_limit_state,
 };
-pub use sse::{SseEvent, SseParser};
+pub use sse::{MAX_EVENT_BYTES, SseEvent, SseParser};
 pub use time::UnixMs;
 pub use tokens::estimate_input_tokens;
 pub use usage::Usage;

@@ -1,6 +1,7 @@
 //! Incremental Server-Sent Events framing (H1). The gateway forwards stream bytes as they
 //! arrive and feeds a copy through [`SseParser`] to notice the first token, the usage
-//! block and in-stream errors; the parser never holds more than one unfinished line.
+//! block and in-stream errors; the parser holds at most one unfinished event, of at most
+//! [`MAX_EVENT_BYTES`].
 
 /// One dispatched event: its `event:` name (absent for OpenAI and Gemini) and its data
 /// lines joined with `\n`.
@@ -10,9 +11,17 @@ pub struct SseEvent {
     pub data: String,
 }
 
+/// The most one event may make the parser hold: its data so far and the line being read.
+/// Events are watched, not kept (the bytes reach the client whatever the parser makes of
+/// them), so past this an event is skipped, up to the blank line that ends it, rather than
+/// held: an upstream that is broken, hostile or not an SSE server at all could otherwise
+/// send gigabytes without a line end. The largest real events are the Responses API's
+/// `response.completed`, which repeats the whole answer, images as base64 included.
+pub const MAX_EVENT_BYTES: usize = 32 * 1024 * 1024;
+
 /// Splits a byte stream into SSE events per the WHATWG rules: LF, CRLF or CR line ends,
 /// `data:` lines accumulate, a blank line dispatches, `:` lines are comments.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SseParser {
     line: Vec<u8>,
     /// A CR ended the last line; a following LF belongs to it.
@@ -20,11 +29,44 @@ pub struct SseParser {
     event: Option<String>,
     data: String,
     has_data: bool,
+    /// The event being read went past the limit: its lines are skipped up to its blank line.
+    oversized: bool,
+    /// The line being read is part of such an event: its bytes are dropped as they come.
+    skipping_line: bool,
+    /// Events skipped for their size so far.
+    skipped: u64,
+    limit: usize,
+}
+
+impl Default for SseParser {
+    fn default() -> Self {
+        Self::with_limit(MAX_EVENT_BYTES)
+    }
 }
 
 impl SseParser {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A parser that skips events over `limit` bytes (see [`MAX_EVENT_BYTES`]).
+    pub fn with_limit(limit: usize) -> Self {
+        SseParser {
+            line: Vec::new(),
+            after_cr: false,
+            event: None,
+            data: String::new(),
+            has_data: false,
+            oversized: false,
+            skipping_line: false,
+            skipped: 0,
+            limit,
+        }
+    }
+
+    /// Events skipped so far because they were over the limit.
+    pub fn skipped(&self) -> u64 {
+        self.skipped
     }
 
     /// Feeds `chunk`, returning the events it completed.
@@ -40,7 +82,10 @@ impl SseParser {
         // Whole lines are read from the chunk in place; only a line cut by the chunk's end
         // is copied, into `line`, which keeps its capacity between lines.
         while let Some(i) = rest.iter().position(|&b| b == b'\n' || b == b'\r') {
-            if self.line.is_empty() {
+            if self.skipping_line {
+                // The end of a line already dropped: whatever it was, it was not blank.
+                self.skipping_line = false;
+            } else if self.line.is_empty() {
                 self.end_line(&rest[..i], &mut out);
             } else {
                 let mut line = std::mem::take(&mut self.line);
@@ -59,19 +104,45 @@ impl SseParser {
                 }
             }
         }
-        self.line.extend_from_slice(rest);
+        if rest.is_empty() || self.skipping_line {
+            return out;
+        }
+        // The same measure as `end_line`'s, so that where the chunks are cut never
+        // changes which events are skipped.
+        if self.oversized || self.data.len() + self.line.len() + rest.len() > self.limit {
+            self.oversize();
+            self.skipping_line = true;
+        } else {
+            self.line.extend_from_slice(rest);
+        }
         out
+    }
+
+    /// The event being read is over the limit: what it holds goes, memory and all.
+    fn oversize(&mut self) {
+        self.oversized = true;
+        self.line = Vec::new();
+        self.data = String::new();
+        self.event = None;
+        self.has_data = false;
     }
 
     fn end_line(&mut self, line: &[u8], out: &mut Vec<SseEvent>) {
         if line.is_empty() {
-            if self.has_data || self.event.is_some() {
+            if self.oversized {
+                self.oversized = false;
+                self.skipped += 1;
+            } else if self.has_data || self.event.is_some() {
                 out.push(SseEvent {
                     event: self.event.take(),
                     data: std::mem::take(&mut self.data),
                 });
             }
             self.has_data = false;
+            return;
+        }
+        if self.oversized || self.data.len() + line.len() > self.limit {
+            self.oversize();
             return;
         }
         if line[0] == b':' {
@@ -149,6 +220,73 @@ mod tests {
         let mut got = p.push(b"data: 1\r");
         got.extend(p.push(b"\n\r\n"));
         assert_eq!(got.len(), 1);
+    }
+
+    /// An event that goes past the limit however it comes: one endless line, or many
+    /// small data lines.
+    const HUGE_LINE: &[u8] = b"data: 0123456789012345678901234567890123456789\n\ndata: after\n\n";
+    const MANY_LINES: &[u8] = b"event: big\ndata: 0123456789\ndata: 0123456789\ndata: 0123456789\n\ndata: after\n\n";
+
+    #[test]
+    fn an_event_over_the_limit_is_skipped_to_its_end_and_the_next_one_read() {
+        for stream in [HUGE_LINE, MANY_LINES] {
+            let mut p = SseParser::with_limit(32);
+            let got = p.push(stream);
+            assert_eq!(got.len(), 1, "{}", String::from_utf8_lossy(stream));
+            assert_eq!(got[0].data, "after");
+            assert_eq!(
+                got[0].event, None,
+                "the skipped event's name must not leak into the next"
+            );
+            assert_eq!(p.skipped(), 1);
+            // Wherever the chunks are cut, the same: the limit counts the same bytes
+            // whether a line comes whole or in pieces, and the end of a dropped line is
+            // never taken for a blank one.
+            for cut in 0..stream.len() {
+                let mut p = SseParser::with_limit(32);
+                let mut got = p.push(&stream[..cut]);
+                got.extend(p.push(&stream[cut..]));
+                assert_eq!(
+                    got,
+                    [SseEvent {
+                        event: None,
+                        data: "after".into()
+                    }],
+                    "cut at {cut}"
+                );
+                assert_eq!(p.skipped(), 1, "cut at {cut}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_line_without_an_end_holds_no_more_than_the_limit() {
+        // An upstream that is not an SSE server at all (say, a base URL that serves a file)
+        // sends megabytes without a line end: the parser drops them as they come.
+        let mut p = SseParser::with_limit(1024);
+        let chunk = [b'x'; 4096];
+        for _ in 0..1000 {
+            assert!(p.push(&chunk).is_empty());
+            assert!(p.line.capacity() <= 1024 && p.data.capacity() <= 1024);
+        }
+        assert!(
+            p.push(b"\n\ndata: then\n\n")
+                .iter()
+                .map(|e| e.data.as_str())
+                .eq(["then"])
+        );
+        assert_eq!(p.skipped(), 1);
+    }
+
+    #[test]
+    fn an_event_at_the_limit_is_read() {
+        // 32 bytes held at most: `data: ` and 26 of data.
+        let line = format!("data: {}\n\n", "y".repeat(26));
+        let got = SseParser::with_limit(32).push(line.as_bytes());
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].data.len(), 26);
+        let over = format!("data: {}\n\n", "y".repeat(27));
+        assert!(SseParser::with_limit(32).push(over.as_bytes()).is_empty());
     }
 
     #[test]
