@@ -32,6 +32,8 @@ function freePort() {
 async function wd(method, path, body) {
   const r = await fetch(base + path, {
     method,
+    // A driver that never answers fails the step instead of hanging the run.
+    signal: AbortSignal.timeout(60_000),
     headers: { 'content-type': 'application/json' },
     body: body ? JSON.stringify(body) : undefined,
   })
@@ -66,7 +68,8 @@ before(async () => {
   const data = mkdtempSync(join(tmpdir(), 'spillway-desktop-'))
   const env = { ...process.env, SPILLWAY_DATA_DIR: data, SPILLWAY_UI_DIR: join(root, 'ui', 'dist'), LANG: 'en_US.UTF-8' }
   for (const k of ['OPENAI_API_KEY', 'ANTHROPIC_API_KEY', 'GEMINI_API_KEY']) delete env[k]
-  driver = spawn(DRIVER, ['--port', String(port), '--native-port', String(nativePort), '--native-driver', '/usr/bin/WebKitWebDriver'], { env })
+  // A process group of its own, so that `after` can stop the app with it (see there).
+  driver = spawn(DRIVER, ['--port', String(port), '--native-port', String(nativePort), '--native-driver', '/usr/bin/WebKitWebDriver'], { env, detached: true })
   driver.stderr.on('data', () => {})
   base = `http://127.0.0.1:${port}`
   await until('tauri-driver to listen', async () => (await fetch(`${base}/status`).catch(() => null))?.ok, 20_000)
@@ -78,7 +81,22 @@ before(async () => {
 
 after(async () => {
   if (session) await wd('DELETE', `/session/${session}`).catch(() => {})
-  driver?.kill()
+  // The app is tauri-driver's grandchild. A session whose end did not close it (once, a
+  // DELETE that came back while the app stayed up) left it running after the driver was
+  // killed, holding the driver's output pipes open, and this process waiting on them for
+  // good. The whole group goes: politely first, then for sure.
+  const group = (signal) => {
+    try {
+      process.kill(-driver.pid, signal)
+    } catch {
+      // Already gone.
+    }
+  }
+  if (driver?.pid) {
+    group('SIGTERM')
+    await new Promise((r) => setTimeout(r, 2000))
+    group('SIGKILL')
+  }
 })
 
 test('the desktop window opens connected and shows live numbers', async () => {
