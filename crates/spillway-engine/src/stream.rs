@@ -59,9 +59,9 @@ impl Watch {
     }
 
     fn observe(&mut self, chunk: &[u8]) {
-        let skipped = self.parser.skipped();
+        let over = self.parser.over_limit();
         let events = self.parser.push(chunk);
-        if skipped == 0 && self.parser.skipped() > 0 {
+        if !over && self.parser.over_limit() {
             // Once a stream: the bytes still reach the client; only what the event said
             // (output text, usage, an error) goes unseen by the gateway.
             tracing::warn!(

@@ -11,12 +11,14 @@ pub struct SseEvent {
     pub data: String,
 }
 
-/// The most one event may make the parser hold: its data so far and the line being read.
-/// Events are watched, not kept (the bytes reach the client whatever the parser makes of
-/// them), so past this an event is skipped, up to the blank line that ends it, rather than
-/// held: an upstream that is broken, hostile or not an SSE server at all could otherwise
-/// send gigabytes without a line end. The largest real events are the Responses API's
-/// `response.completed`, which repeats the whole answer, images as base64 included.
+/// The most one event may make the parser hold: its name, its data so far and the line
+/// being read (a buffer's spare capacity aside, at most as much again). Events are watched,
+/// not kept (the bytes reach the client whatever the parser makes of them), so past this a
+/// line is dropped as it comes, and an event whose data or name it was is skipped up to the
+/// blank line that ends it: an upstream that is broken, hostile or not an SSE server at all
+/// could otherwise send gigabytes without a line end. The largest real events are the
+/// Responses API's `response.completed`, which repeats the whole answer, images as base64
+/// included.
 pub const MAX_EVENT_BYTES: usize = 32 * 1024 * 1024;
 
 /// Splits a byte stream into SSE events per the WHATWG rules: LF, CRLF or CR line ends,
@@ -31,7 +33,7 @@ pub struct SseParser {
     has_data: bool,
     /// The event being read went past the limit: its lines are skipped up to its blank line.
     oversized: bool,
-    /// The line being read is part of such an event: its bytes are dropped as they come.
+    /// The line being read went past the limit: its bytes are dropped as they come.
     skipping_line: bool,
     /// Events skipped for their size so far.
     skipped: u64,
@@ -69,6 +71,17 @@ impl SseParser {
         self.skipped
     }
 
+    /// Whether an event has gone past the limit: skipped, or being skipped now (an
+    /// upstream that never ends its line never ends its event either).
+    pub fn over_limit(&self) -> bool {
+        self.skipped > 0 || self.oversized
+    }
+
+    /// What the event being read holds, for the limit.
+    fn held(&self) -> usize {
+        self.data.len() + self.event.as_ref().map_or(0, String::len)
+    }
+
     /// Feeds `chunk`, returning the events it completed.
     pub fn push(&mut self, chunk: &[u8]) -> Vec<SseEvent> {
         let mut out = Vec::new();
@@ -91,8 +104,11 @@ impl SseParser {
                 let mut line = std::mem::take(&mut self.line);
                 line.extend_from_slice(&rest[..i]);
                 self.end_line(&line, &mut out);
-                line.clear();
-                self.line = line;
+                // A line the limit dropped gives its memory back with it.
+                if !self.oversized {
+                    line.clear();
+                    self.line = line;
+                }
             }
             let cr = rest[i] == b'\r';
             rest = &rest[i + 1..];
@@ -108,9 +124,16 @@ impl SseParser {
             return out;
         }
         // The same measure as `end_line`'s, so that where the chunks are cut never
-        // changes which events are skipped.
-        if self.oversized || self.data.len() + self.line.len() + rest.len() > self.limit {
-            self.oversize();
+        // changes what is skipped: a line past it is dropped, and its event with it when
+        // the line is one the event keeps (its data or its name).
+        if self.oversized {
+            self.skipping_line = true;
+        } else if self.held() + self.line.len() + rest.len() > self.limit {
+            if kept_field(&self.line, rest) {
+                self.oversize();
+            } else {
+                self.line = Vec::new();
+            }
             self.skipping_line = true;
         } else {
             self.line.extend_from_slice(rest);
@@ -141,7 +164,7 @@ impl SseParser {
             self.has_data = false;
             return;
         }
-        if self.oversized || self.data.len() + line.len() > self.limit {
+        if self.oversized || (kept_field(line, &[]) && self.held() + line.len() > self.limit) {
             self.oversize();
             return;
         }
@@ -156,6 +179,11 @@ impl SseParser {
             None => (line, &b""[..]),
         };
         let value = String::from_utf8_lossy(value);
+        // What is kept, counted again: invalid UTF-8 grows as it is replaced.
+        if matches!(name, b"data" | b"event") && self.held() + value.len() + 1 > self.limit {
+            self.oversize();
+            return;
+        }
         match name {
             b"data" => {
                 if self.has_data {
@@ -168,6 +196,19 @@ impl SseParser {
             _ => {}
         }
     }
+}
+
+/// Whether a line that begins with `a` and goes on with `b` is a field the event keeps
+/// (`data:` or `event:`); a line without a colon is a field with no value, too short to
+/// matter.
+fn kept_field(a: &[u8], b: &[u8]) -> bool {
+    let mut head = [0u8; 6];
+    let mut n = 0;
+    for &c in a.iter().chain(b).take(head.len()) {
+        head[n] = c;
+        n += 1;
+    }
+    head[..n].starts_with(b"data:") || head[..n].starts_with(b"event:")
 }
 
 #[cfg(test)]
@@ -261,20 +302,66 @@ mod tests {
 
     #[test]
     fn a_line_without_an_end_holds_no_more_than_the_limit() {
-        // An upstream that is not an SSE server at all (say, a base URL that serves a file)
-        // sends megabytes without a line end: the parser drops them as they come.
-        let mut p = SseParser::with_limit(1024);
-        let chunk = [b'x'; 4096];
-        for _ in 0..1000 {
-            assert!(p.push(&chunk).is_empty());
-            assert!(p.line.capacity() <= 1024 && p.data.capacity() <= 1024);
+        // An upstream that sends megabytes without a line end, in a data line or in bytes
+        // that are no SSE at all: the parser drops them as they come, and only the data
+        // line's event counts as one skipped.
+        for (start, skipped) in [(&b"data: "[..], 1), (&b""[..], 0)] {
+            let mut p = SseParser::with_limit(1024);
+            assert!(p.push(start).is_empty());
+            let chunk = [b'x'; 4096];
+            for _ in 0..1000 {
+                assert!(p.push(&chunk).is_empty());
+                assert!(p.line.capacity() <= 1024 && p.data.capacity() <= 1024);
+            }
+            assert_eq!(p.over_limit(), skipped > 0);
+            assert!(
+                p.push(b"\n\ndata: then\n\n")
+                    .iter()
+                    .map(|e| e.data.as_str())
+                    .eq(["then"])
+            );
+            assert_eq!(p.skipped(), skipped);
         }
-        assert!(
-            p.push(b"\n\ndata: then\n\n")
-                .iter()
-                .map(|e| e.data.as_str())
-                .eq(["then"])
-        );
+    }
+
+    #[test]
+    fn a_long_line_the_event_does_not_keep_is_dropped_alone() {
+        // A comment or an unknown field holds nothing once read: past the limit it goes,
+        // and the event it is in is read as ever.
+        for stream in [
+            &b": 0123456789012345678901234567890123456789\ndata: x\n\n"[..],
+            &b"id: 0123456789012345678901234567890123456789\ndata: x\n\n"[..],
+        ] {
+            for cut in 0..stream.len() {
+                let mut p = SseParser::with_limit(32);
+                let mut got = p.push(&stream[..cut]);
+                got.extend(p.push(&stream[cut..]));
+                assert!(got.iter().map(|e| e.data.as_str()).eq(["x"]), "cut at {cut}: {got:?}");
+                assert!(!p.over_limit(), "cut at {cut}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_line_completed_over_the_limit_gives_its_memory_back() {
+        let mut p = SseParser::with_limit(32);
+        assert!(p.push(b"data: 0123456789").is_empty());
+        assert!(p.push(b"0123456789012345678901234567890\n").is_empty());
+        assert!(p.over_limit(), "an event being skipped counts before its end");
+        assert_eq!(p.line.capacity(), 0);
+        assert_eq!(p.data.capacity(), 0);
+        assert!(p.push(b"\ndata: next\n\n").iter().map(|e| e.data.as_str()).eq(["next"]));
+        assert_eq!(p.skipped(), 1);
+    }
+
+    #[test]
+    fn invalid_utf8_is_counted_as_it_is_kept() {
+        // 20 bytes that are not UTF-8 are 60 once replaced: over a 32-byte limit.
+        let mut stream = b"data: ".to_vec();
+        stream.extend([0xFF; 20]);
+        stream.extend(b"\n\ndata: ok\n\n");
+        let mut p = SseParser::with_limit(32);
+        assert!(p.push(&stream).iter().map(|e| e.data.as_str()).eq(["ok"]));
         assert_eq!(p.skipped(), 1);
     }
 
