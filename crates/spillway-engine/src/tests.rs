@@ -799,6 +799,8 @@ async fn h1_an_event_over_the_parsers_limit_reaches_the_client_and_the_next_one_
     let (tx, mut body, id) = primed_stream(&st, None).await;
     assert!(body.next().await.is_some());
     assert!(body.next().await.is_some());
+    const USAGE: &str =
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":7,\"total_tokens\":12}}\n\n";
     // An upstream that sends more than the parser holds in one line, in pieces.
     let piece = Bytes::from(vec![b'x'; 1 << 20]);
     let pieces = spillway_wire::MAX_EVENT_BYTES / piece.len() + 2;
@@ -808,9 +810,7 @@ async fn h1_an_event_over_the_parsers_limit_reaches_the_client_and_the_next_one_
             tx.send(Ok(piece.clone())).await.unwrap();
         }
         tx.send(Ok(Bytes::from_static(b"\n\n"))).await.unwrap();
-        let usage =
-            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":7,\"total_tokens\":12}}\n\n";
-        tx.send(Ok(Bytes::from(usage))).await.unwrap();
+        tx.send(Ok(Bytes::from_static(USAGE.as_bytes()))).await.unwrap();
         tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await.unwrap();
     });
     let mut passed = 0usize;
@@ -822,9 +822,7 @@ async fn h1_an_event_over_the_parsers_limit_reaches_the_client_and_the_next_one_
     }
     sender.await.unwrap();
     // Every byte went through, the skipped event's as well.
-    let usage_len =
-        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":7,\"total_tokens\":12}}\n\n".len();
-    assert_eq!(passed, 6 + pieces * (1 << 20) + 2 + usage_len + 14);
+    assert_eq!(passed, 6 + pieces * (1 << 20) + 2 + USAGE.len() + 14);
     assert_eq!(tail, b"data: [DONE]\n\n");
     // The event after it was read: its usage is the request's.
     let (rec, _) = rows(&st, &id).await;

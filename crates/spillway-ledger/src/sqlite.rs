@@ -565,10 +565,11 @@ fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
 async fn insert_chunk(conn: &mut SqliteConnection, rows: &[BatchRow<'_>]) -> Result<()> {
     debug_assert!(rows.len() <= ROWS_PER_STATEMENT, "a chunk of {} rows", rows.len());
     let statement = sqlx::query_with(batch_sql(size_class(rows.len())), batch_args(rows)).persistent(true);
-    // The statement's own result is its end (in autocommit, after its commit and sync):
-    // nothing can fail after it. `execute` would wait on past it for the end of sqlx's
-    // result stream, which comes when the worker thread drops its sender a moment later,
-    // and that often costs this task one more wake-up per commit.
+    // The statement's own result is its end (in autocommit, after its commit and sync; in
+    // a large batch's transaction, COMMIT is a command of its own): nothing can fail after
+    // it. `execute` would wait on past it for the end of sqlx's result stream, which comes
+    // when the worker thread drops its sender a moment later, and that often costs this
+    // task one more wake-up per commit.
     let mut results = sqlx::Executor::fetch_many(conn, statement);
     while let Some(result) = results.try_next().await? {
         if result.is_left() {
