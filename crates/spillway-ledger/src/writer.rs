@@ -724,15 +724,21 @@ async fn write_loop(backend: Arc<dyn LedgerBackend>, queue: Arc<Queue>, health: 
     // committed at once instead, without a sync of their own, where the store can
     // (SQLite): the next synced commit syncs them with its own frames, and a lone
     // request's synced commit writes only its own row. The linger deadline then bounds how
-    // long an unsynced commit waits for a sync when no durable write comes. One timer serves every request that comes meanwhile: arming one per batch
-    // made nearly every request register a timer, and so wake the runtime's driver thread.
+    // long an unsynced commit waits for a sync when no durable write comes. One timer
+    // serves every request that comes meanwhile: arming one per batch made nearly every
+    // request register a timer, and so wake the runtime's driver thread.
     let linger = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(linger);
     let mut armed = false;
     // Rows are held for a durable write (the store could not commit them unsynced).
     let mut holding = false;
-    // A commit was made without a sync since the last synced one.
-    let mut unsynced = false;
+    // The first commit made without a sync since the last synced one (or sync). The
+    // deadline syncs only what has waited the whole linger: the timer was armed by an
+    // earlier unsynced commit that a durable write may since have synced, and at 500
+    // requests/s, each with a durable write and an unsynced end, a deadline that synced
+    // whatever it found unsynced made one sync of every twenty requests a second
+    // `fdatasync` of its own, racing the next durable commit's.
+    let mut unsynced: Option<Instant> = None;
     let mut last_durable: Option<Instant> = None;
     let mut pace = Pace::new();
     loop {
@@ -748,23 +754,33 @@ async fn write_loop(backend: Arc<dyn LedgerBackend>, queue: Arc<Queue>, health: 
                 }
             }
         }
+        // What was committed unsynced since the timer was set is younger than the linger:
+        // its own deadline is later.
+        let sync_due = deadline_passed && unsynced.is_some_and(|t| t.elapsed() >= LINGER);
+        if deadline_passed
+            && !sync_due
+            && let Some(t) = unsynced
+        {
+            linger.as_mut().reset(t + LINGER);
+            armed = true;
+        }
         // Group commit: take whatever is queued (the spool permitting).
         let closed = pending.rows() < SPOOL_MAX && queue.take(MAX_BATCH, &mut ops).is_none();
-        if closed && pending.is_empty() && !unsynced {
+        if closed && pending.is_empty() && unsynced.is_none() {
             return;
         }
         for op in ops.drain(..) {
             pending.add(op);
         }
         let waited_on = !pending.acks.is_empty();
-        if pending.rows() == 0 && unsynced && !failing && (waited_on || deadline_passed || closed) {
+        if pending.rows() == 0 && unsynced.is_some() && !failing && (waited_on || sync_due || closed) {
             // Nothing to commit, but earlier commits to make durable: for a flush, the
             // linger deadline, or the last thing before stopping.
             let r = backend.sync().await;
             if let Err(e) = &r {
                 tracing::error!(error = %e, "ledger sync failed; the last unsynced commits may not survive a power loss");
             }
-            unsynced = false;
+            unsynced = None;
             let why = r.as_ref().err().map(ToString::to_string);
             pending.answer(why.as_deref().map_or(Ok(()), Err));
             if closed {
@@ -835,15 +851,15 @@ async fn write_loop(backend: Arc<dyn LedgerBackend>, queue: Arc<Queue>, health: 
                 let rows = pending.rows();
                 pending.clear();
                 if quiet {
-                    unsynced = true;
+                    let since = *unsynced.get_or_insert_with(Instant::now);
                     if !armed {
-                        linger.as_mut().reset(Instant::now() + LINGER);
+                        linger.as_mut().reset(since + LINGER);
                         armed = true;
                     }
                 } else if rows > 0 {
                     // The commit is durable (the store syncs it before it returns), and
                     // so is every unsynced one before it: the waiters hear now.
-                    unsynced = false;
+                    unsynced = None;
                     if waited_on {
                         let now = Instant::now();
                         last_durable = Some(now);
@@ -2372,6 +2388,63 @@ mod tests {
                 "{id}"
             );
         }
+    }
+
+    // SQLite only, as above.
+    #[tokio::test]
+    async fn i3_the_deadline_syncs_only_what_no_durable_write_synced_in_time() {
+        // spec: I3. A request every 5 ms, as at a steady low rate: its durable write, then
+        // its end committed unsynced, which the next request's synced commit makes
+        // durable. The linger deadline, armed by one end and firing while a younger one
+        // waits, must not sync that one as well: an `fdatasync` that bought nothing.
+        let db = TestDb::sqlite().await;
+        let (ledger, store) = faulty(&db, None, QUEUE_DEPTH).await;
+        let count = |c: &AtomicUsize| c.load(Ordering::SeqCst);
+        // Ends that waited a whole linger for the next synced commit (a slow machine),
+        // which the deadline may rightly sync.
+        let mut waited_long = 0;
+        let mut last_end: Option<std::time::Instant> = None;
+        for i in 0..60 {
+            let id = format!("r{i}");
+            ledger
+                .put_request_durable(rec(&id, RequestState::CallingApi))
+                .await
+                .unwrap();
+            if last_end.is_some_and(|t| t.elapsed() >= LINGER) {
+                waited_long += 1;
+            }
+            last_end = Some(std::time::Instant::now());
+            ledger.put_request(rec(&id, RequestState::Done)).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        ledger
+            .put_request_durable(rec("last", RequestState::CallingApi))
+            .await
+            .unwrap();
+        if last_end.is_some_and(|t| t.elapsed() >= LINGER) {
+            waited_long += 1;
+        }
+        assert!(
+            count(&store.quiet) >= 30,
+            "the ends were committed unsynced: {}",
+            count(&store.quiet)
+        );
+        assert!(
+            count(&store.syncs) <= waited_long,
+            "{} syncs of their own for {waited_long} ends that waited a whole linger",
+            count(&store.syncs)
+        );
+        // The last end still gets its sync from the deadline.
+        ledger.put_request(rec("last", RequestState::Done)).await.unwrap();
+        let before = count(&store.syncs);
+        until("the last end synced by the deadline", async || {
+            count(&store.syncs) == before + 1
+        })
+        .await;
+        assert_eq!(
+            store.get_request("r59").await.unwrap().unwrap().state,
+            RequestState::Done
+        );
     }
 
     both_backends! {
