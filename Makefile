@@ -162,7 +162,7 @@ fleet: build-release deps-fleet
 
 ## The gateway beside a bare forwarder (the yardstick), against the same simulator, with a
 ## verdict line per performance target; JSON under bench/results/ (one file per run).
-bench: deps-system deps-rust
+bench: deps-system deps-rust deps-fleet
 	$(CARGO) build --release -p spillway-cli -p spillway-bench
 	./target/release/spillway-bench --spillway ./target/release/spillway --forwarder ./target/release/bare-forwarder --out bench/results
 

@@ -1625,13 +1625,24 @@ async fn main() -> Result<()> {
     drop(fwd);
     drop(fwd_durable);
 
+    // A fleet run that cannot start (no PostgreSQL or Redis on this machine) fails the
+    // bench, but only after every other result is printed and written: it comes after
+    // ten minutes of measuring, none of which depends on it.
+    let mut fleet_failed = None;
     let fleet = if args.fleet_rate > 0 {
         let single = rows
             .iter()
             .find(|r| r.kind == "non-streaming" && r.rate_rps == args.fleet_rate);
         match single {
             Some(single) => {
-                Some(fleet_run(&args, &client, &sim_url, key, single, closed_loop.spillway_rps, &dir).await?)
+                match fleet_run(&args, &client, &sim_url, key, single, closed_loop.spillway_rps, &dir).await {
+                    Ok(f) => Some(f),
+                    Err(e) => {
+                        eprintln!("the fleet run failed; the other results follow: {e:#}");
+                        fleet_failed = Some(e);
+                        None
+                    }
+                }
             }
             None => {
                 eprintln!(
@@ -2154,7 +2165,10 @@ async fn main() -> Result<()> {
     std::fs::write(args.out.join(format!("bench-{when}.json")), &json)?;
     std::fs::write(args.out.join("latest.json"), &json)?;
     println!("results: {}", args.out.join("latest.json").display());
-    Ok(())
+    match fleet_failed {
+        Some(e) => Err(e.context("the fleet run failed (every other result is above and in the JSON)")),
+        None => Ok(()),
+    }
 }
 
 /// The private PostgreSQL and Redis of the fleet run, stopped when dropped.
