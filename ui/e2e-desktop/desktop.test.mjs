@@ -136,6 +136,13 @@ async function click(xpath) {
 
 async function shot(name) {
   mkdirSync(SHOTS, { recursive: true })
+  // WebKit's screenshot is the last frame it painted, which can be older than the DOM the
+  // test just read: a ledger screenshot once showed "Loading…" under rows already found.
+  // Two animation frames later, a frame with the current DOM has been painted.
+  await wd('POST', `/session/${session}/execute/async`, {
+    script: 'const done = arguments[arguments.length - 1]; requestAnimationFrame(() => requestAnimationFrame(() => done(true)))',
+    args: [],
+  })
   const png = await wd('GET', `/session/${session}/screenshot`)
   writeFileSync(join(SHOTS, name), Buffer.from(png, 'base64'))
 }
