@@ -167,9 +167,9 @@ pub struct SqliteBackend {
     _lock: LedgerLock,
     /// The writer connection, and whether it is in doubt: a transaction may have been left
     /// open on it (a batch of several statements failed and its ROLLBACK did not go
-    /// through), or its sync level left lowered (a quiet commit's restore did not go
-    /// through). Until `write_batch` has put both right, nothing is written, as a commit
-    /// would then neither commit nor sync.
+    /// through), or its sync level left lowered (a quiet commit's restore was not
+    /// confirmed). A commit would then not commit, or not sync: every write through it
+    /// first puts both right (`settle`), and is refused while it cannot.
     writer: Mutex<(SqliteConnection, bool)>,
     readers: SqlitePool,
     /// Checkpoints need a writable connection that is not the writer's.
@@ -183,9 +183,6 @@ pub struct SqliteBackend {
     /// The writer's own sync level, which a quiet commit lowers for itself.
     durability: Durability,
 }
-
-/// Why the writer refuses a write while it is in doubt.
-const IN_DOUBT: &str = "the ledger's writer is recovering from a failed write";
 
 pub(crate) fn i(v: Option<u64>) -> Option<i64> {
     v.map(|v| v.min(i64::MAX as u64) as i64)
@@ -263,14 +260,33 @@ impl SqliteBackend {
 }
 
 impl SqliteBackend {
-    /// The writer connection, for a durable transaction outside the batches; refused while
-    /// a failed batch's transaction may still be open on it.
+    /// The writer connection, for a durable transaction outside the batches, settled
+    /// first (see `settle`).
     async fn writable(&self) -> Result<tokio::sync::MutexGuard<'_, (SqliteConnection, bool)>> {
-        let w = self.writer.lock().await;
-        if w.1 {
-            return Err(Error::Unavailable(IN_DOUBT.into()));
-        }
+        let mut w = self.writer.lock().await;
+        self.settle(&mut w).await?;
         Ok(w)
+    }
+
+    /// Puts an in-doubt writer right before anything is written through it: rolls back
+    /// what a failed batch may have left open, and restores the sync level a quiet commit
+    /// may have left lowered. Until both have gone through, it refuses the write.
+    async fn settle(&self, w: &mut (SqliteConnection, bool)) -> Result<()> {
+        let (conn, in_doubt) = w;
+        if !*in_doubt {
+            return Ok(());
+        }
+        match sqlx::query("ROLLBACK").execute(&mut *conn).await {
+            Ok(_) => {}
+            // Nothing was open after all.
+            Err(e) if e.to_string().contains("no transaction is active") => {}
+            Err(e) => return Err(e.into()),
+        }
+        if self.durability == Durability::Full {
+            restore_sync(conn).await?;
+        }
+        *in_doubt = false;
+        Ok(())
     }
 
     /// Runs `sql` (a DELETE of at most a chunk, taking `?1`) until it deletes nothing, one
@@ -279,9 +295,7 @@ impl SqliteBackend {
         let mut total = 0;
         loop {
             let mut w = self.writer.lock().await;
-            if w.1 {
-                return Err(Error::Unavailable(IN_DOUBT.into()));
-            }
+            self.settle(&mut w).await?;
             let n = sqlx::query(sql).bind(arg).execute(&mut w.0).await?.rows_affected();
             drop(w);
             total += n;
@@ -964,20 +978,8 @@ impl LedgerBackend for SqliteBackend {
             return Ok(());
         }
         let mut guard = self.writer.lock().await;
+        self.settle(&mut guard).await?;
         let (conn, in_doubt) = &mut *guard;
-        if *in_doubt {
-            match sqlx::query("ROLLBACK").execute(&mut *conn).await {
-                Ok(_) => {}
-                // Nothing was open after all.
-                Err(e) if e.to_string().contains("no transaction is active") => {}
-                Err(e) => return Err(e.into()),
-            }
-            // A quiet commit may have left the sync level lowered.
-            if self.durability == Durability::Full {
-                restore_sync(conn).await?;
-            }
-            *in_doubt = false;
-        }
         // Every command to sqlx's SQLite connection is a hand-off to its worker thread and
         // back, and every statement's result one more wake-up of this task: a batch is one
         // statement (see `BATCH_VIEW`), committed in autocommit. Only a batch too large
@@ -991,6 +993,9 @@ impl LedgerBackend for SqliteBackend {
         if rows.len() <= ROWS_PER_STATEMENT {
             return insert_chunk(conn, &rows).await;
         }
+        // In doubt while the transaction is open, so that a panic or a dropped future
+        // inside it leaves the writer to be settled.
+        *in_doubt = true;
         sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await?;
         let mut written = Ok(());
         for chunk in rows.chunks(ROWS_PER_STATEMENT) {
@@ -1006,10 +1011,10 @@ impl LedgerBackend for SqliteBackend {
                 .map(drop)
                 .map_err(Error::from);
         }
-        if written.is_err() {
+        *in_doubt = written.is_err() && {
             // A statement that failed, or a commit that did, left the transaction open.
-            *in_doubt = sqlx::query("ROLLBACK").execute(&mut *conn).await.is_err();
-        }
+            sqlx::query("ROLLBACK").execute(&mut *conn).await.is_err()
+        };
         written
     }
 
@@ -1052,8 +1057,14 @@ impl LedgerBackend for SqliteBackend {
         // never a cached statement. The lowering is sent without waiting for its answer:
         // the worker thread runs commands in the order sent, and one that somehow did not
         // go out only makes this commit sync. Then the insert, and the sync level back up
-        // before the lock is let go; if that cannot be confirmed, the writer is in doubt
-        // and syncs nothing until `write_batch` has restored it.
+        // before the lock is let go.
+        //
+        // In doubt from the lowering on, and until the restore is confirmed: a panic, or a
+        // caller that drops this future in between, leaves the writer to be settled rather
+        // than syncing nothing. A restore that fails answers `Ok(false)`, so the caller
+        // keeps the rows for a synced commit (writing them twice is harmless: a request's
+        // row is its latest state, the others are replaced).
+        *in_doubt = true;
         {
             use futures_util::{FutureExt, StreamExt};
             let mut lower =
@@ -1062,8 +1073,9 @@ impl LedgerBackend for SqliteBackend {
         }
         let written = insert_chunk(conn, &rows).await;
         if restore_sync(conn).await.is_err() {
-            *in_doubt = true;
+            return Ok(false);
         }
+        *in_doubt = false;
         written.map(|()| true)
     }
 
@@ -1166,9 +1178,7 @@ impl LedgerBackend for SqliteBackend {
 
     async fn record_transition(&self, state: Option<&ControlState>, audit: &AuditEntry) -> Result<()> {
         let mut writer = self.writer.lock().await;
-        if writer.1 {
-            return Err(Error::Unavailable(IN_DOUBT.into()));
-        }
+        self.settle(&mut writer).await?;
         let mut tx = writer.0.begin().await?;
         if let Some(c) = state {
             sqlx::query(
@@ -1289,9 +1299,7 @@ impl LedgerBackend for SqliteBackend {
         };
         {
             let mut writer = self.writer.lock().await;
-            if writer.1 {
-                return Err(Error::Unavailable(IN_DOUBT.into()));
-            }
+            self.settle(&mut writer).await?;
             let mut tx = writer.0.begin().await?;
             let changed = sqlx::query(
                 "UPDATE requests SET state = ?, reconciliation = ?, reconciled_by = ?, reconciled_reason = ?, \
@@ -1355,9 +1363,7 @@ impl LedgerBackend for SqliteBackend {
         };
         let changed = {
             let mut writer = self.writer.lock().await;
-            if writer.1 {
-                return Err(Error::Unavailable(IN_DOUBT.into()));
-            }
+            self.settle(&mut writer).await?;
             let mut q = sqlx::query(sql).bind(at.0);
             if let Some(r) = result_id {
                 q = q.bind(r);
@@ -1474,9 +1480,7 @@ impl LedgerBackend for SqliteBackend {
             let mut writer_rows = (0u64, 0u64);
             loop {
                 let mut w = self.writer.lock().await;
-                if w.1 {
-                    return Err(Error::Unavailable(IN_DOUBT.into()));
-                }
+                self.settle(&mut w).await?;
                 let mut tx = w.0.begin().await?;
                 let run = |sql: String| sqlx::query(AssertSqlSafe(sql)).bind(floor.clone()).bind(keys_since.0);
                 // B4: a balance is credits minus the requests' costs, so the costs of the
@@ -2555,6 +2559,37 @@ mod tests {
         }
         assert!(!db.write_batch_unsynced(&[rec("q")], &[], &[]).await.unwrap());
         db.write_batch(&[rec("d")], &[], &[]).await.unwrap();
+        assert!(!db.writer.lock().await.1);
+        assert_eq!(sync_level(&db).await, 2);
+        // The writers outside the batches settle it too.
+        {
+            let mut w = db.writer.lock().await;
+            sqlx::raw_sql("PRAGMA synchronous = NORMAL")
+                .execute(&mut w.0)
+                .await
+                .unwrap();
+            w.1 = true;
+        }
+        drop(db.writable().await.unwrap());
+        assert_eq!(sync_level(&db).await, 2);
+    }
+
+    // spec: I3
+    #[tokio::test]
+    async fn a_quiet_commit_dropped_halfway_leaves_the_writer_to_be_settled() {
+        use futures_util::FutureExt;
+        let dir = tempfile::tempdir().unwrap();
+        let db = SqliteBackend::open(&dir.path().join("ledger.db")).await.unwrap();
+        // One poll: the lowering and the insert are sent, their answers not yet in.
+        let rows = [rec("a")];
+        let quiet = db.write_batch_unsynced(&rows, &[], &[]);
+        if quiet.now_or_never().is_none() {
+            assert!(
+                db.writer.lock().await.1,
+                "a dropped quiet commit leaves the writer in doubt"
+            );
+        }
+        db.write_batch(&[rec("b")], &[], &[]).await.unwrap();
         assert!(!db.writer.lock().await.1);
         assert_eq!(sync_level(&db).await, 2);
     }
