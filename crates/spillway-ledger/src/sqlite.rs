@@ -1063,7 +1063,8 @@ impl LedgerBackend for SqliteBackend {
         // caller that drops this future in between, leaves the writer to be settled rather
         // than syncing nothing. A restore that fails answers `Ok(false)`, so the caller
         // keeps the rows for a synced commit (writing them twice is harmless: a request's
-        // row is its latest state, the others are replaced).
+        // row is its latest state, the others are replaced); an insert that failed as
+        // well answers its own error.
         *in_doubt = true;
         {
             use futures_util::{FutureExt, StreamExt};
@@ -1073,7 +1074,7 @@ impl LedgerBackend for SqliteBackend {
         }
         let written = insert_chunk(conn, &rows).await;
         if restore_sync(conn).await.is_err() {
-            return Ok(false);
+            return written.map(|()| false);
         }
         *in_doubt = false;
         written.map(|()| true)
@@ -1165,6 +1166,7 @@ impl LedgerBackend for SqliteBackend {
 
     async fn mark_interrupted_unknown(&self) -> Result<u64> {
         let mut writer = self.writer.lock().await;
+        self.settle(&mut writer).await?;
         let conn = &mut writer.0;
         let r = sqlx::query(
             "UPDATE requests SET state = 'unknown', error_class = 'interrupted', \
@@ -1525,6 +1527,7 @@ impl LedgerBackend for SqliteBackend {
         }
         if vacuum {
             let mut w = self.writer.lock().await;
+            self.settle(&mut w).await?;
             sqlx::query("VACUUM").execute(&mut w.0).await?;
             drop(w);
             let mut conn = self.maintenance.lock().await;
@@ -2561,17 +2564,21 @@ mod tests {
         db.write_batch(&[rec("d")], &[], &[]).await.unwrap();
         assert!(!db.writer.lock().await.1);
         assert_eq!(sync_level(&db).await, 2);
-        // The writers outside the batches settle it too.
+        // The writers outside the batches settle it too: the level back, and what a
+        // failed batch left open rolled back.
         {
             let mut w = db.writer.lock().await;
             sqlx::raw_sql("PRAGMA synchronous = NORMAL")
                 .execute(&mut w.0)
                 .await
                 .unwrap();
+            sqlx::raw_sql("BEGIN IMMEDIATE").execute(&mut w.0).await.unwrap();
+            insert_chunk(&mut w.0, &[BatchRow::Request(&rec("t"))]).await.unwrap();
             w.1 = true;
         }
-        drop(db.writable().await.unwrap());
+        assert!(!db.writable().await.unwrap().1);
         assert_eq!(sync_level(&db).await, 2);
+        assert!(db.get_request("t").await.unwrap().is_none());
     }
 
     // spec: I3
