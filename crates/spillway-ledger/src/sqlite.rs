@@ -540,6 +540,20 @@ fn nulls(args: &mut SqliteArguments, n: usize) {
     }
 }
 
+/// The rows that `write_batch` and `write_batch_unsynced` both write, in one order.
+fn batch_rows<'a>(
+    requests: &'a [RequestRecord],
+    attempts: &'a [AttemptRecord],
+    payloads: &'a [Payload],
+) -> Vec<BatchRow<'a>> {
+    requests
+        .iter()
+        .map(BatchRow::Request)
+        .chain(attempts.iter().map(BatchRow::Attempt))
+        .chain(payloads.iter().map(BatchRow::Payload))
+        .collect()
+}
+
 /// The arguments of one batch statement for `rows`, in the view's column order. The
 /// padding rows of its size class are left unbound (NULL, so of no kind).
 fn batch_args(rows: &[BatchRow<'_>]) -> SqliteArguments {
@@ -984,12 +998,7 @@ impl LedgerBackend for SqliteBackend {
         // back, and every statement's result one more wake-up of this task: a batch is one
         // statement (see `BATCH_VIEW`), committed in autocommit. Only a batch too large
         // for one statement is several, in one transaction.
-        let rows: Vec<BatchRow<'_>> = requests
-            .iter()
-            .map(BatchRow::Request)
-            .chain(attempts.iter().map(BatchRow::Attempt))
-            .chain(payloads.iter().map(BatchRow::Payload))
-            .collect();
+        let rows = batch_rows(requests, attempts, payloads);
         if rows.len() <= ROWS_PER_STATEMENT {
             return insert_chunk(conn, &rows).await;
         }
@@ -1038,12 +1047,7 @@ impl LedgerBackend for SqliteBackend {
         if *in_doubt {
             return Ok(false);
         }
-        let rows: Vec<BatchRow<'_>> = requests
-            .iter()
-            .map(BatchRow::Request)
-            .chain(attempts.iter().map(BatchRow::Attempt))
-            .chain(payloads.iter().map(BatchRow::Payload))
-            .collect();
+        let rows = batch_rows(requests, attempts, payloads);
         if self.durability == Durability::ProcessCrashOnly {
             insert_chunk(conn, &rows).await?;
             return Ok(true);
