@@ -238,10 +238,7 @@ impl SqliteBackend {
             .execute(&mut writer)
             .await?;
         // No automatic checkpoints here either: `maintain` runs them.
-        let mut maintenance = SqliteConnection::connect_with(&base.clone().pragma("wal_autocheckpoint", "0")).await?;
-        sqlx::raw_sql(AssertSqlSafe(BATCH_VIEW.as_str()))
-            .execute(&mut maintenance)
-            .await?;
+        let maintenance = SqliteConnection::connect_with(&base.clone().pragma("wal_autocheckpoint", "0")).await?;
         let readers = SqlitePoolOptions::new()
             .max_connections(4)
             .connect_with(base.read_only(true))
