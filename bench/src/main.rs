@@ -929,6 +929,9 @@ async fn ledger_writes(writers: usize, secs: f64) -> Result<LedgerWrites> {
     // grouped by writer put each writer's rows on a b-tree page of its own, and a commit of
     // 64 writers' rows then rewrote some 250 pages (30 KiB of disk writes a request).
     let seq = Arc::new(AtomicU64::new(0));
+    // Before the writers start (they run as soon as they are spawned), so that every
+    // request counted has its writes counted too.
+    let written_before = disk_write_bytes();
     let until = Instant::now() + Duration::from_secs_f64(secs);
     let mut tasks = Vec::new();
     for w in 0..writers {
@@ -966,7 +969,6 @@ async fn ledger_writes(writers: usize, secs: f64) -> Result<LedgerWrites> {
         }));
     }
     let t0 = Instant::now();
-    let written_before = disk_write_bytes();
     for t in tasks {
         let _ = t.await;
     }
