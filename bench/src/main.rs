@@ -692,12 +692,18 @@ fn open_fds(pid: u32) -> Option<usize> {
     std::fs::read_dir(format!("/proc/{pid}/fd")).ok().map(|d| d.count())
 }
 
+/// The number on the `key:` line of a `/proc` file such as `status` or `io` (a unit
+/// after it, `kB`, dropped), or None when the file or the line is not there.
+fn proc_number(path: &str, key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(path).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
 /// Resident memory of a process, KiB.
 fn rss_kib(pid: u32) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    proc_number(&format!("/proc/{pid}/status"), "VmRSS")
 }
 
 /// The three things measured side by side against the same simulator.
@@ -907,13 +913,7 @@ struct LedgerWrites {
 /// Bytes this process has caused to be written to storage (`write_bytes` in
 /// `/proc/self/io`), or None where the kernel does not count them.
 fn disk_write_bytes() -> Option<u64> {
-    std::fs::read_to_string("/proc/self/io")
-        .ok()?
-        .lines()
-        .find_map(|l| l.strip_prefix("write_bytes:"))?
-        .trim()
-        .parse()
-        .ok()
+    proc_number("/proc/self/io", "write_bytes")
 }
 
 async fn ledger_writes(writers: usize, secs: f64) -> Result<LedgerWrites> {
